@@ -1,0 +1,11 @@
+"""flashtile: exact FlashAttention in Triton, behind the flash_attn API."""
+
+from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+]

@@ -1,0 +1,252 @@
+"""Backward kernels (FlashAttention-2): P is recomputed from the saved logsumexp.
+
+1. ``attn_bwd_preprocess_kernel``: delta = rowsum(dO * O), and lse in log2 units.
+2. ``attn_bwd_dkdv_kernel``: one program per (key block, kv head, batch) accumulates
+   dK and dV over every query block and every query head of its GQA group.
+3. ``attn_bwd_dq_kernel``: one program per (query block, head, batch) accumulates dQ.
+No atomics: every gradient element is summed by one program in a fixed order, so the
+result is bit-identical run to run.
+"""
+
+import triton
+import triton.language as tl
+
+from .dropout import dropout_keep
+from .forward import load_alibi_slope_log2
+from .scores import LOG2E, band_block_range, mask_scores, scores_log2
+from .tile_io import load_tile, store_tile
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    Out, DOut, Lse, Delta, LseLog2,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lse_b, stride_lse_h,
+    nheads, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
+                  rows, offs_d, stride_os, seqlen_q, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                   rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + rows,
+                  mask=rows < seqlen_q, other=0.0)
+    # A row with no key has lse = -inf; +inf makes its recomputed P exactly 0.
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    row_ids = (b * nheads + h).to(tl.int64) * seqlen_q + rows  # Delta, LseLog2: contiguous (b, h, sq)
+    tl.store(Delta + row_ids, delta, mask=rows < seqlen_q)
+    tl.store(LseLog2 + row_ids, lse_log2, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base, stride_qs, stride_dos,
+                       row_start, row_end, cols, offs_m, offs_d,
+                       seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                       window_left, window_right, dropout_seed, dropout_row_offset, dropout_p,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Add the contributions of query blocks [row_start, row_end) to this key block's dK, dV."""
+    for start_m in range(row_start, row_end, BLOCK_M):
+        rows = start_m + offs_m
+        q = load_tile(q_base, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        do = load_tile(do_base, rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        if APPLY_MASK:
+            lse_log2 = tl.load(lse_log2_base + rows, mask=rows < seqlen_q, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
+        else:
+            lse_log2 = tl.load(lse_log2_base + rows)
+            delta = tl.load(delta_base + rows)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, t = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                           HAS_SOFTCAP, HAS_ALIBI)
+        if APPLY_MASK:
+            s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT)
+        p = tl.exp2(s - lse_log2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, rows, cols, dropout_row_offset, seqlen_k, dropout_p)
+            keep_scale = 1.0 / (1.0 - dropout_p)
+            p_dropped = tl.where(keep, p * keep_scale, 0.0)
+            dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=DOT_PRECISION)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        else:
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DOut, LseLog2, Delta, DK, DV,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    AlibiSlopes, DropoutSeed, stride_alibi_b,
+    nheads, head_group, seqlen_q, seqlen_k,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right, dropout_p,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    h_kv = tl.program_id(1)
+    b = tl.program_id(2)
+    diag = seqlen_k - seqlen_q
+
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_tile(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh,
+                  cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh,
+                  cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query rows that see key block [start_n, start_n + BLOCK_N): the band seen from
+    # the keys' side (diag negated, left and right swapped).
+    lo, full_lo, full_hi, hi = band_block_range(start_n, seqlen_k, seqlen_q, -diag, window_right, window_left,
+                                                BLOCK_N, BLOCK_M, HAS_RIGHT, HAS_LEFT)
+    dropout_seed = 0
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DropoutSeed)
+
+    for g in range(0, head_group):
+        h = h_kv * head_group + g
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        row_offset = (b * nheads + h).to(tl.int64) * seqlen_q  # rows of (b, h) in LseLog2, Delta, dropout
+        alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+            lo, full_lo, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+            alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+            full_lo, full_hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+            alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+            full_hi, hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+            alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION)
+
+    dk = dk * softmax_scale
+    store_tile(DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh,
+               dk.to(DK.dtype.element_ty), cols, offs_d, stride_dks, seqlen_k, HEAD_DIM, BLOCK_D)
+    store_tile(DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh,
+               dv.to(DV.dtype.element_ty), cols, offs_d, stride_dvs, seqlen_k, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs,
+                   col_start, col_end, rows, offs_n, offs_d,
+                   seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                   window_left, window_right, dropout_seed, dropout_row_offset, dropout_p,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Add the contributions of key blocks [col_start, col_end) to this query block's dQ."""
+    for start_n in range(col_start, col_end, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_tile(k_base, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        v = load_tile(v_base, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, t = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                           HAS_SOFTCAP, HAS_ALIBI)
+        if APPLY_MASK:
+            s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT)
+        p = tl.exp2(s - lse_log2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, rows, cols, dropout_row_offset, seqlen_k, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DOut, LseLog2, Delta, DQ,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    AlibiSlopes, DropoutSeed, stride_alibi_b,
+    nheads, head_group, seqlen_q, seqlen_k,
+    softmax_scale, qk_scale, softcap_log2, window_left, window_right, dropout_p,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    h_kv = h // head_group
+    diag = seqlen_k - seqlen_q
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+                  rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                   rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, True)
+    row_offset = (b * nheads + h).to(tl.int64) * seqlen_q
+    lse_log2 = tl.load(LseLog2 + row_offset + rows, mask=rows < seqlen_q, other=float("inf"))
+    delta = tl.load(Delta + row_offset + rows, mask=rows < seqlen_q, other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
+    dropout_seed = 0
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DropoutSeed)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = band_block_range(start_m, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, lo, full_lo,
+                        rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                        alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                        HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi,
+                        rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                        alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                        HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_hi, hi,
+                        rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                        alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                        HAS_DROPOUT, DOT_PRECISION)
+    dq = dq * softmax_scale
+    store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
+               dq.to(DQ.dtype.element_ty), rows, offs_d, stride_dqs, seqlen_q, HEAD_DIM, BLOCK_D)

@@ -1,0 +1,133 @@
+"""Forward kernel: FlashAttention-2 online softmax over key blocks, one program per
+(query block, head, batch). Writes the output and the natural-log logsumexp."""
+
+import triton
+import triton.language as tl
+
+from .dropout import dropout_keep
+from .scores import LN2, LOG2E, band_block_range, mask_scores, scores_log2
+from .tile_io import load_tile, store_tile
+
+
+@triton.jit
+def load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI: tl.constexpr):
+    """This (batch, head)'s ALiBi slope in log2 units (0 when ALiBi is off)."""
+    if HAS_ALIBI:
+        return tl.load(AlibiSlopes + b * stride_alibi_b + h).to(tl.float32) * LOG2E
+    else:
+        return 0.0
+
+
+@triton.jit
+def _fwd_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs,
+                    col_start, col_end, rows, offs_n, offs_d,
+                    seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                    window_left, window_right, dropout_seed, dropout_row_offset, dropout_p,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Fold key blocks [col_start, col_end) into the running (acc, m_i, l_i)."""
+    for start_n in range(col_start, col_end, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_tile(k_base, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, _ = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                           HAS_SOFTCAP, HAS_ALIBI)
+        if APPLY_MASK:
+            s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if APPLY_MASK:
+            # A row with every key masked so far keeps m = -inf; subtract 0 instead so
+            # exp2 gives 0, not NaN.
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(s - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            # lse is of the undropped scores; only the p @ v product sees the mask.
+            keep = dropout_keep(dropout_seed, rows, cols, dropout_row_offset, seqlen_k, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v = load_tile(v_base, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lse_b, stride_lse_h,
+    AlibiSlopes, DropoutSeed, stride_alibi_b,
+    nheads, head_group, seqlen_q, seqlen_k,
+    qk_scale, softcap_log2, window_left, window_right, dropout_p,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    h_kv = h // head_group  # GQA: consecutive query heads share a kv head
+    diag = seqlen_k - seqlen_q
+
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(q_base, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True)
+
+    alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
+    dropout_seed = 0
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DropoutSeed)
+    dropout_row_offset = (b * nheads + h).to(tl.int64) * seqlen_q
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = band_block_range(start_m, seqlen_q, seqlen_k, diag, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # Edge blocks on the left of the band, blocks wholly inside it, edge blocks on the right.
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
+        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+        dropout_seed, dropout_row_offset, dropout_p,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+        DOT_PRECISION)
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
+        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+        dropout_seed, dropout_row_offset, dropout_p,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+        DOT_PRECISION)
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
+        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+        dropout_seed, dropout_row_offset, dropout_p,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+        DOT_PRECISION)
+
+    # A row that saw no key at all (l = 0) outputs zeros and lse = -inf.
+    empty_row = l_i == 0.0
+    l_safe = tl.where(empty_row, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(empty_row, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+
+    o_base = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    store_tile(o_base, out.to(Out.dtype.element_ty), rows, offs_d, stride_os, seqlen_q, HEAD_DIM, BLOCK_D)
+    lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + rows
+    tl.store(lse_ptrs, lse, mask=rows < seqlen_q)

@@ -1,0 +1,93 @@
+"""The score pipeline, written once for the forward and backward kernels.
+
+Order (flash_attn's): s = q.k * scale -> softcap -> + ALiBi bias -> causal / window / bounds mask.
+Scores are kept in log2 units (log2(e) folded into the scale) so the softmax uses exp2.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def tanh(x):
+    # 1 - 2 / (e^{2x} + 1): exact at both ends (e^{2x} -> inf gives 1, -> 0 gives -1).
+    e = tl.exp2(x * (2.0 * LOG2E))
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw dot products ``qk`` (fp32 tile) -> scores in log2 units.
+
+    Also returns ``t = tanh(q.k * scale / softcap)`` (the backward's softcap derivative
+    is ``1 - t^2``); without softcap ``t`` is meaningless.
+    qk_scale: softmax_scale * log2(e), or softmax_scale / softcap when capping.
+    softcap_log2: softcap * log2(e). alibi_slope_log2: slope * log2(e) for this (batch, head).
+    diag = seqlen_k - seqlen_q: query row i lines up with key column i + diag.
+    """
+    if HAS_SOFTCAP:
+        t = tanh(qk * qk_scale)
+        s = t * softcap_log2
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        distance = tl.abs(rows[:, None] + diag - cols[None, :]).to(tl.float32)
+        s = s - alibi_slope_log2 * distance
+    return s, t
+
+
+@triton.jit
+def mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """-inf outside the sequence bounds and outside the band
+    ``i + diag - window_left <= j <= i + diag + window_right`` (causal is right = 0)."""
+    keep = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+    if HAS_RIGHT:
+        keep = keep & (cols[None, :] <= rows[:, None] + diag + window_right)
+    if HAS_LEFT:
+        keep = keep & (cols[None, :] >= rows[:, None] + diag - window_left)
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def band_block_range(start, n_rows, n_cols, diag, window_left, window_right,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Which column blocks the row block [start, start + BLOCK_ROWS) must visit.
+
+    Row r sees columns r + diag - window_left .. r + diag + window_right. Returns
+    (lo, full_lo, full_hi, hi): blocks in [lo, full_lo) and [full_hi, hi) cross an
+    edge of the band or of the matrix and need element masks; blocks in
+    [full_lo, full_hi) are entirely inside and skip them. Blocks outside [lo, hi)
+    are never loaded. lo, full_lo and full_hi are multiples of BLOCK_COLS.
+
+    The forward and dQ kernels call it with rows = queries; the dK/dV kernel with
+    rows = keys (diag negated, left and right swapped).
+    """
+    first_row = start
+    last_row = tl.minimum(start + BLOCK_ROWS, n_rows) - 1
+    lo = 0
+    hi = n_cols
+    if HAS_LEFT:
+        lo = tl.maximum(first_row + diag - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(last_row + diag + window_right + 1, n_cols)
+    lo = (lo // BLOCK_COLS) * BLOCK_COLS
+    hi = tl.maximum(hi, lo)
+    # A block needs no mask when its first column is inside every row's left edge,
+    # its last column inside every row's right edge, and it ends within n_cols.
+    full_lo = lo
+    if HAS_LEFT:
+        full_lo = tl.cdiv(tl.maximum(last_row + diag - window_left, 0), BLOCK_COLS) * BLOCK_COLS
+    full_hi = (n_cols // BLOCK_COLS) * BLOCK_COLS
+    if HAS_RIGHT:
+        right_edge = tl.maximum(first_row + diag + window_right + 1, 0)
+        full_hi = tl.minimum(full_hi, (right_edge // BLOCK_COLS) * BLOCK_COLS)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi

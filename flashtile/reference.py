@@ -1,0 +1,141 @@
+"""Pure-PyTorch references for flashtile's kernels, shared by the tests and debug tools.
+
+Both follow the flash_attn contract: q (b, sq, h, d), k/v (b, sk, hk, d); scores
+``q.k * scale`` -> softcap -> ALiBi bias -> causal/window mask (bottom-right aligned)
+-> softmax -> dropout -> @ v. They return ``(out, lse)`` with lse (b, h, sq), natural log;
+a row with no visible key gets out = 0 and lse = -inf.
+
+- :func:`attention_naive` materializes the scores (reads like the definition; use float64
+  for ground truth, or the input dtype to see what plain PyTorch gets in that dtype).
+- :func:`attention_blockwise` runs the FlashAttention algorithm tile by tile (online
+  softmax, skipped blocks) in float32: the kernels' algorithm in readable form.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+
+def visible_keys_mask(seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal: bool = False,
+                      device=None) -> torch.Tensor:
+    """Boolean (sq, sk): True where query i may attend to key j.
+
+    Query i lines up with key i + sk - sq; a window (left, right) keeps keys within
+    [i + sk - sq - left, i + sk - sq + right], -1 meaning unbounded; causal is right = 0.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        keep &= cols <= rows + right
+    if left >= 0:
+        keep &= cols >= rows - left
+    return keep
+
+
+def alibi_bias(alibi_slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """(b, h, sq, sk) bias ``-slope * |i + sk - sq - j|`` from slopes (h,) or (b, h)."""
+    slopes = alibi_slopes.to(dtype)
+    if slopes.dim() == 1:
+        slopes = slopes.expand(batch, -1)
+    rows = torch.arange(seqlen_q, device=slopes.device)[:, None] + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    distance = (rows - cols).abs().to(dtype)
+    return -slopes[:, :, None, None] * distance
+
+
+def _expand_kv_heads(x: torch.Tensor, nheads: int) -> torch.Tensor:
+    """GQA: query head i uses kv head i // (nheads // nheads_k)."""
+    return x.repeat_interleave(nheads // x.shape[2], dim=2)
+
+
+def _scores(q, k, softmax_scale, softcap, alibi_slopes, dtype):
+    """Scaled, capped and biased scores (b, h, sq, sk) in ``dtype``, before masking."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    k = _expand_kv_heads(k, nheads)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(dtype), k.to(dtype)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, batch, seqlen_q, k.shape[1], dtype)
+    return s
+
+
+def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size=(-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                    dropout_mask: Optional[torch.Tensor] = None,
+                    dtype: Optional[torch.dtype] = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention by the definition, computed in ``dtype`` (None: the input dtype).
+
+    dropout_mask: boolean (b, h, sq, sk), True = kept, applied with scale 1/(1-p);
+    dropout is only applied when it is given (the kernels' mask comes from their RNG).
+    Differentiable: gradients through it are the reference gradients.
+    """
+    dtype = dtype or q.dtype
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    s = _scores(q, k, softmax_scale, softcap, alibi_slopes, dtype)
+    keep = visible_keys_mask(seqlen_q, seqlen_k, window_size, causal, device=q.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0, not NaN
+    if dropout_mask is not None:
+        p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv_heads(v, q.shape[2]).to(dtype))
+    return out, lse
+
+
+def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
+                        window_size=(-1, -1), softcap: float = 0.0,
+                        alibi_slopes: Optional[torch.Tensor] = None,
+                        block_m: int = 64, block_n: int = 64,
+                        dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The FlashAttention-2 forward, one (query block, key block) tile at a time.
+
+    Keeps only a running max ``m``, sum ``l`` and accumulator per query row, and skips
+    key blocks that lie wholly outside the causal/window band, as the kernels do.
+    No dropout (that needs the kernels' RNG).
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    left, right = window_size
+    if causal:
+        right = 0
+    diag = seqlen_k - seqlen_q
+    out = torch.zeros(batch, seqlen_q, nheads, head_dim, dtype=dtype, device=q.device)
+    lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=dtype, device=q.device)
+    keep_all = visible_keys_mask(seqlen_q, seqlen_k, (left, right), device=q.device)
+    v_full = _expand_kv_heads(v, nheads).to(dtype)
+    for m0 in range(0, seqlen_q, block_m):
+        m1 = min(m0 + block_m, seqlen_q)
+        m_i = torch.full((batch, nheads, m1 - m0), float("-inf"), dtype=dtype, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(batch, nheads, m1 - m0, head_dim, dtype=dtype, device=q.device)
+        # The band of keys this block of rows can see; blocks outside it are skipped.
+        lo = max(m0 + diag - left, 0) if left >= 0 else 0
+        hi = min(m1 - 1 + diag + right + 1, seqlen_k) if right >= 0 else seqlen_k
+        for n0 in range((lo // block_n) * block_n, max(hi, 0), block_n):
+            n1 = min(n0 + block_n, seqlen_k)
+            s = _scores(q[:, m0:m1], k[:, n0:n1], softmax_scale, softcap, None, dtype)
+            if alibi_slopes is not None:
+                full_bias = alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, dtype)
+                s = s + full_bias[:, :, m0:m1, n0:n1]
+            s = s.masked_fill(~keep_all[m0:m1, n0:n1], float("-inf"))
+            m_new = torch.maximum(m_i, s.amax(dim=-1))
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m_i - m_safe)
+            l_i = l_i * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, v_full[:, n0:n1])
+            m_i = m_new
+        empty = l_i == 0
+        l_safe = l_i.masked_fill(empty, 1.0)
+        out[:, m0:m1] = (acc / l_safe[..., None]).transpose(1, 2)
+        lse[:, :, m0:m1] = (m_i + torch.log(l_safe)).masked_fill(empty, float("-inf"))
+    return out, lse

@@ -1,0 +1,42 @@
+"""Facts about where the kernels run: the CUDA device or Triton's CPU interpreter."""
+
+import functools
+import os
+
+import torch
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1).
+
+    The variable is read by Triton at import time, so it must be set before
+    ``import triton``; we read the same variable so both agree.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device_supported(device: torch.device, arg_name: str = "q") -> None:
+    """Raise unless the kernels can run on ``device``."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpreter_enabled():
+        return
+    if device.type == "cpu":
+        raise ValueError(
+            f"{arg_name} is on the CPU: flashtile's kernels need a CUDA device, or Triton's "
+            "interpreter (set TRITON_INTERPRET=1 before importing triton) to run on the CPU"
+        )
+    raise ValueError(f"{arg_name} is on device {device}: flashtile supports CUDA tensors (or CPU via TRITON_INTERPRET=1)")
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(device_index: int) -> tuple:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def arch_of(device: torch.device) -> str:
+    """A short name for the kernel-config table: 'sm90', 'sm80', ..., or 'interpreter'."""
+    if device.type != "cuda":
+        return "interpreter"
+    major, minor = device_capability(device.index if device.index is not None else torch.cuda.current_device())
+    return f"sm{major}{minor}"
