@@ -5,6 +5,7 @@ Every kernel launch takes its tile sizes, warps and pipeline depth from a
 (architecture, kernel, head dim). Nothing in the launch code hard-codes a tile size.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import triton
@@ -66,11 +67,54 @@ _DEFAULT_GPU = {
 }
 
 # Measured per architecture: {arch: {kernel: [(max padded head dim, config), ...]}}.
-_TUNED: dict = {}
+# sm90 (H100/H200): bench/tune_configs.py on an H200, bf16, 16k tokens, hidden 2048,
+# seqlen 4096; each the best geometric mean over causal and non-causal
+# (bench/results/2026-11-21-h200-tune.md has the numbers).
+_TUNED: dict = {
+    "sm90": {
+        FWD: [
+            (64, KernelConfig(64, 64, num_warps=4, num_stages=3)),
+            (128, KernelConfig(128, 64, num_warps=8, num_stages=3)),
+            (256, KernelConfig(128, 64, num_warps=8, num_stages=2)),
+        ],
+        BWD_DKDV: [
+            (64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
+            (128, KernelConfig(32, 64, num_warps=4, num_stages=3)),
+            (256, KernelConfig(32, 32, num_warps=4, num_stages=2)),
+        ],
+        BWD_DQ: [
+            (64, KernelConfig(128, 64, num_warps=8, num_stages=2)),
+            (128, KernelConfig(64, 32, num_warps=4, num_stages=3)),
+            (256, KernelConfig(128, 32, num_warps=8, num_stages=2)),
+        ],
+    },
+}
+
+
+# Set by :func:`override` (tuning scripts, experiments): {kernel: config}.
+_OVERRIDES: dict = {}
+
+
+@contextlib.contextmanager
+def override(**configs: KernelConfig):
+    """Within the block, launch the named kernels with the given configs, e.g.
+    ``with override(bwd_dkdv=KernelConfig(32, 128, 8, 2)): ...``."""
+    unknown = set(configs) - {FWD, BWD_DKDV, BWD_DQ}
+    if unknown:
+        raise ValueError(f"unknown kernel names {sorted(unknown)}; expected {FWD}, {BWD_DKDV} or {BWD_DQ}")
+    previous = dict(_OVERRIDES)
+    _OVERRIDES.update(configs)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(previous)
 
 
 def get_config(kernel: str, arch: str, head_dim: int) -> KernelConfig:
     """The config for ``kernel`` on ``arch`` ('sm90', 'interpreter', ...) at ``head_dim``."""
+    if kernel in _OVERRIDES:
+        return _OVERRIDES[kernel]
     if arch == "interpreter":
         return _INTERPRETER[kernel]
     padded = padded_head_dim(head_dim)

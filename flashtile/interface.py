@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import checks
+from .runtime import empty, empty_like
 from .kernels.launch import ScoreParams, attention_backward, attention_forward, attention_probs
 
 
@@ -45,8 +46,8 @@ def _score_params(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, ca
 
 def _forward(q, k, v, params: ScoreParams, return_probs: bool):
     batch, seqlen_q, nheads, head_dim = q.shape
-    out = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
+    lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
     attention_forward(q, k, v, out, lse, params)
     probs = attention_probs(q, k, lse, params, q.dtype) if return_probs else None
     return out, lse, probs
@@ -87,7 +88,7 @@ class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *_):
         q, k, v, out, lse, params = _saved(ctx)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         attention_backward(q, k, v, out, _unit_last_stride(dout), lse, dq, dk, dv, params)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
@@ -105,7 +106,7 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *_):
         qkv, _, _, out, lse, params = _saved(ctx)
-        dqkv = torch.empty_like(qkv)
+        dqkv = empty_like(qkv)
         attention_backward(*qkv.unbind(dim=2), out, _unit_last_stride(dout), lse, *dqkv.unbind(dim=2), params)
         return dqkv, None, None, None, None, None, None, None, None
 
@@ -123,7 +124,7 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *_):
         q, kv, _, out, lse, params = _saved(ctx)
-        dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+        dq, dkv = empty_like(q), empty_like(kv)
         attention_backward(q, *kv.unbind(dim=2), out, _unit_last_stride(dout), lse, dq, *dkv.unbind(dim=2), params)
         return dq, dkv, None, None, None, None, None, None, None, None
 

@@ -29,6 +29,27 @@ def check_device_supported(device: torch.device, arg_name: str = "q") -> None:
     raise ValueError(f"{arg_name} is on device {device}: flashtile supports CUDA tensors (or CPU via TRITON_INTERPRET=1)")
 
 
+def poison_outputs_enabled() -> bool:
+    """FLASHTILE_POISON_OUTPUTS=1 fills output buffers with NaN before the kernels run,
+    so that any element a kernel fails to write shows up in a test (the tests set it)."""
+    return os.environ.get("FLASHTILE_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """torch.empty, or a NaN-filled buffer when poisoning is on."""
+    if poison_outputs_enabled():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """torch.empty_like (keeps t's strides), or NaN-filled when poisoning is on."""
+    out = torch.empty_like(t)
+    if poison_outputs_enabled():
+        out.fill_(float("nan"))
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def device_capability(device_index: int) -> tuple:
     return torch.cuda.get_device_capability(device_index)

@@ -54,7 +54,12 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
                        APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
-    """Add the contributions of query blocks [row_start, row_end) to this key block's dK, dV."""
+    """Add the contributions of query blocks [row_start, row_end) to this key block's dK, dV.
+
+    Works on transposed (keys x queries) tiles, so that every tl.dot takes loaded tiles
+    or tiles in their natural layout (no transposes of computed tiles). The score and
+    mask helpers see the band from the keys' side: diag negated, left and right swapped.
+    """
     for start_m in range(row_start, row_end, BLOCK_M):
         rows = start_m + offs_m
         q = load_tile(q_base, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, APPLY_MASK)
@@ -65,26 +70,27 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
         else:
             lse_log2 = tl.load(lse_log2_base + rows)
             delta = tl.load(delta_base + rows)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s, t = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
-                           HAS_SOFTCAP, HAS_ALIBI)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        s_t, t_t = scores_log2(qk_t, cols, rows, -diag, qk_scale, softcap_log2, alibi_slope_log2,
+                               HAS_SOFTCAP, HAS_ALIBI)
         if APPLY_MASK:
-            s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT)
-        p = tl.exp2(s - lse_log2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            s_t = mask_scores(s_t, cols, rows, seqlen_k, seqlen_q, -diag, window_right, window_left,
+                              HAS_RIGHT, HAS_LEFT)
+        p_t = tl.exp2(s_t - lse_log2[None, :])
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, rows, cols, dropout_row_offset, seqlen_k, dropout_p)
+            keep_t = dropout_keep(dropout_seed, rows[None, :], cols[:, None], dropout_row_offset, seqlen_k,
+                                  dropout_p)
             keep_scale = 1.0 / (1.0 - dropout_p)
-            p_dropped = tl.where(keep, p * keep_scale, 0.0)
-            dv += tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=DOT_PRECISION)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
+            p_dropped_t = tl.where(keep_t, p_t * keep_scale, 0.0)
+            dv += tl.dot(p_dropped_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
         else:
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -182,7 +188,7 @@ def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride
         p = tl.exp2(s - lse_log2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, rows, cols, dropout_row_offset, seqlen_k, dropout_p)
+            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row_offset, seqlen_k, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:

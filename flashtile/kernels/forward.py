@@ -49,7 +49,7 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs,
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             # lse is of the undropped scores; only the p @ v product sees the mask.
-            keep = dropout_keep(dropout_seed, rows, cols, dropout_row_offset, seqlen_k, dropout_p)
+            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row_offset, seqlen_k, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = load_tile(v_base, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

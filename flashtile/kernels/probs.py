@@ -59,7 +59,7 @@ def attn_probs_kernel(
                         HAS_LEFT, HAS_RIGHT)
         p = tl.exp2(s - lse_log2[:, None])
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, rows, cols, row_offset, seqlen_k, dropout_p)
+            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], row_offset, seqlen_k, dropout_p)
             p = tl.where(keep, p, -p)
         ptrs = p_base + rows[:, None].to(tl.int64) * stride_ps + cols[None, :]
         tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))

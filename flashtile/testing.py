@@ -1,0 +1,59 @@
+"""Accuracy checks shared by the tests, the demo and debug tools.
+
+FlashAttention's rule: a kernel's error against a float64 reference may be at most about
+twice the error that plain PyTorch makes computing the same thing in the input dtype,
+plus a small epsilon. Errors are relative Frobenius norms, ``||x - ref|| / ||ref||``.
+"""
+
+from typing import Optional
+
+import torch
+
+# Floor on the allowed error per dtype, for cases where PyTorch's own error is tiny.
+EPSILON = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64; NaN anywhere gives inf.
+
+    Where ref is exactly zero (a gradient that vanishes, e.g. a window of one key) the
+    relative error is undefined; the RMS of the difference is returned instead."""
+    x64, ref64 = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    diff = (x64 - ref64).norm().item()
+    if denom == 0.0:
+        return diff / max(ref64.numel(), 1) ** 0.5
+    return diff / denom
+
+
+def allowed_error(torch_error: float, dtype: torch.dtype, factor: float = 2.0) -> float:
+    return factor * torch_error + EPSILON[dtype]
+
+
+def check_close(name: str, ours: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor,
+                dtype: Optional[torch.dtype] = None, factor: float = 2.0) -> float:
+    """Assert ``ours`` is within the rule of ``ref``; ``same_dtype`` is PyTorch's answer in
+    the input dtype. Returns our error."""
+    dtype = dtype or ours.dtype
+    err = rel_error(ours, ref)
+    base = rel_error(same_dtype, ref)
+    bound = allowed_error(base, dtype, factor)
+    assert err <= bound, (f"{name}: relative error {err:.3e} exceeds {factor}x PyTorch's {dtype} error "
+                          f"{base:.3e} + {EPSILON[dtype]:.0e} = {bound:.3e}")
+    return err
+
+
+def check_lse(lse: torch.Tensor, ref_lse: torch.Tensor, atol: float = 1e-3) -> None:
+    """lse is fp32 whatever the input dtype: -inf exactly where the reference's is, close elsewhere."""
+    ref_lse = ref_lse.to(lse.device)
+    assert lse.dtype == torch.float32, f"softmax_lse has dtype {lse.dtype}, expected float32"
+    assert lse.shape == ref_lse.shape, f"softmax_lse has shape {tuple(lse.shape)}, expected {tuple(ref_lse.shape)}"
+    ref_empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ref_empty), "softmax_lse is -inf on a different set of rows"
+    finite = ~ref_empty
+    if finite.any():
+        worst = (lse[finite].double() - ref_lse[finite].double()).abs().max().item()
+        scale = 1.0 + ref_lse[finite].double().abs().max().item()
+        assert worst <= atol * scale, f"softmax_lse differs by {worst:.3e} (allowed {atol * scale:.3e})"

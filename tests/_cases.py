@@ -1,0 +1,61 @@
+"""Devices, dtypes and shapes the tests sweep: small on the CPU interpreter (bf16 is
+not supported there: its tl.dot multiplies raw bits), larger and bf16 on the GPU."""
+
+import torch
+
+from flashtile.reference import attention_naive
+from flashtile.testing import check_close, check_lse
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
+HEAD_DIMS = [40, 64, 96, 128, 200, 256] if ON_GPU else [32, 40, 64, 96]
+# (seqlen_q, seqlen_k): equal, odd, single-token, and both orders of unequal lengths.
+SEQLENS = ([(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (512, 256), (1023, 1023), (2048, 2048), (799, 3)]
+           if ON_GPU else [(1, 1), (1, 37), (37, 37), (113, 113), (113, 60), (60, 113), (128, 128)])
+BATCH, NHEADS = (2, 4) if ON_GPU else (2, 2)
+
+# (causal, window_size) combinations.
+MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (16, 8)), (True, (24, -1)), (False, (0, 0)), (False, (-1, 7))]
+
+
+def randn(*shape, dtype, requires_grad=False):
+    t = torch.randn(*shape, device=DEVICE, dtype=dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, requires_grad=True):
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype, requires_grad=requires_grad)
+    k = randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype, requires_grad=requires_grad)
+    v = randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype, requires_grad=requires_grad)
+    return q, k, v
+
+
+def check_against_reference(fn, q, k, v, *, backward=True, **options):
+    """Run ``fn(q, k, v, return_attn_probs=True, **options)`` and check out, lse and
+    (if ``backward``) dq, dk, dv against float64, with PyTorch's same-dtype error as the yardstick.
+
+    With dropout, the reference applies the kernel's own mask, read off the sign of the
+    returned probabilities (dropped entries are negated)."""
+    out, lse, probs = fn(q, k, v, return_attn_probs=True, **options)
+    dropout_mask = probs >= 0 if options.get("dropout_p", 0.0) > 0 else None
+    ref_opts = {name: options[name] for name in ("softmax_scale", "causal", "window_size", "softcap",
+                                                 "alibi_slopes", "dropout_p") if name in options}
+    # Separate leaves, so the float64 reference's gradients are not rounded to the input dtype.
+    leaves64 = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
+    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
+    ref_out, ref_lse = attention_naive(*leaves64, dropout_mask=dropout_mask, dtype=torch.float64, **ref_opts)
+    same_out, _ = attention_naive(*leaves, dropout_mask=dropout_mask, dtype=None, **ref_opts)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    check_close("out", out, ref_out, same_out)
+    check_lse(lse, ref_lse)
+    if not backward:
+        return
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref_out, leaves64, dout.double())
+    same_grads = torch.autograd.grad(same_out, leaves, dout)
+    for name, g, rg, sg in zip(("dq", "dk", "dv"), grads, ref_grads, same_grads):
+        assert g.shape == rg.shape and g.dtype == q.dtype, f"{name}: shape {tuple(g.shape)}, dtype {g.dtype}"
+        check_close(name, g, rg, sg)

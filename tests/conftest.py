@@ -1,0 +1,21 @@
+"""Test set-up: the same tests run compiled on a GPU, or through Triton's CPU interpreter.
+
+Without CUDA, TRITON_INTERPRET=1 is set here, before anything imports triton, so the
+real kernels run on CPU tensors. Shapes and dtypes per device live in ``_cases.py``.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("FLASHTILE_POISON_OUTPUTS", "1")  # unwritten outputs show up as NaN
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # Each test draws its own fresh random inputs, reproducibly per test id.
+    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))

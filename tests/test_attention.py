@@ -1,0 +1,91 @@
+"""flash_attn_func against the float64 reference: output, lse and gradients, over shapes,
+head dims, masks and dtypes (the FlashAttention tolerance rule, see flashtile.testing)."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func
+
+from _cases import BATCH, DTYPES, HEAD_DIMS, MASKS, NHEADS, SEQLENS, check_against_reference, make_qkv
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+@pytest.mark.parametrize("causal,window_size", MASKS[:2])
+def test_dense(dtype, head_dim, seqlen_q, seqlen_k, causal, window_size):
+    q, k, v = make_qkv(BATCH, seqlen_q, seqlen_k, NHEADS, NHEADS, head_dim, dtype)
+    check_against_reference(flash_attn_func, q, k, v, causal=causal, window_size=window_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+@pytest.mark.parametrize("causal,window_size", MASKS[2:])
+def test_sliding_window(dtype, seqlen_q, seqlen_k, causal, window_size):
+    q, k, v = make_qkv(BATCH, seqlen_q, seqlen_k, NHEADS, NHEADS, 64, dtype)
+    check_against_reference(flash_attn_func, q, k, v, causal=causal, window_size=window_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nheads,nheads_k", [(4, 1), (6, 2), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(37, 113), (113, 37)])
+def test_gqa_mqa(dtype, nheads, nheads_k, causal, seqlen_q, seqlen_k):
+    q, k, v = make_qkv(BATCH, seqlen_q, seqlen_k, nheads, nheads_k, 40, dtype)
+    check_against_reference(flash_attn_func, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(dtype, softcap, causal):
+    q, k, v = make_qkv(BATCH, 113, 97, NHEADS, NHEADS, 64, dtype)
+    # Larger logits, so the cap is actually reached.
+    check_against_reference(flash_attn_func, q * 3, k, v, softcap=softcap, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (20, 10))])
+def test_alibi(dtype, per_batch, causal, window_size):
+    q, k, v = make_qkv(BATCH, 113, 60, NHEADS, NHEADS, 32, dtype)
+    shape = (BATCH, NHEADS) if per_batch else (NHEADS,)
+    slopes = torch.rand(shape, device=q.device, dtype=torch.float32) * 0.3
+    check_against_reference(flash_attn_func, q, k, v, alibi_slopes=slopes, causal=causal,
+                            window_size=window_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softmax_scale", [0.05, 0.5])
+def test_softmax_scale(dtype, softmax_scale):
+    q, k, v = make_qkv(BATCH, 60, 113, NHEADS, NHEADS, 40, dtype)
+    check_against_reference(flash_attn_func, q, k, v, softmax_scale=softmax_scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 60), (37, 113)])
+def test_all_options_together(dtype, seqlen_q, seqlen_k):
+    """GQA + window + softcap + per-batch ALiBi + custom scale at once."""
+    q, k, v = make_qkv(BATCH, seqlen_q, seqlen_k, 4, 2, 40, dtype)
+    slopes = torch.rand(BATCH, 4, device=q.device, dtype=torch.float32) * 0.2
+    check_against_reference(flash_attn_func, q * 2, k, v, causal=True, window_size=(30, -1), softcap=8.0,
+                            alibi_slopes=slopes, softmax_scale=0.2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_without_keys(dtype):
+    """Causal with seqlen_q > seqlen_k leaves the first rows with no key: out 0, lse -inf,
+    and no NaN in the gradients."""
+    q, k, v = make_qkv(1, 70, 20, 2, 2, 32, dtype)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.all(out[:, :50] == 0)
+    assert torch.all(torch.isneginf(lse[:, :, :50]))
+    assert torch.isfinite(lse[:, :, 50:]).all()
+    check_against_reference(flash_attn_func, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_outside_keys(dtype):
+    """sq > sk with window (0, 5): row i sees keys i - 60 .. i - 55, so rows below 55 see none."""
+    q, k, v = make_qkv(1, 100, 40, 2, 2, 32, dtype)
+    check_against_reference(flash_attn_func, q, k, v, window_size=(0, 5))

@@ -1,0 +1,112 @@
+"""Bad input raises a clear exception that names the argument, before any kernel runs."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+from _cases import DEVICE, ON_GPU, make_qkv, randn
+
+
+def _qkv(**shape):
+    dims = dict(b=2, sq=16, sk=16, h=4, hk=2, d=32)
+    dims.update(shape)
+    return make_qkv(dims["b"], dims["sq"], dims["sk"], dims["h"], dims["hk"], dims["d"], torch.float16,
+                    requires_grad=False)
+
+
+def _raises(exc, match, fn, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+
+
+def test_not_a_tensor():
+    q, k, v = _qkv()
+    _raises(TypeError, "k must be a torch.Tensor", flash_attn_func, q, k.tolist(), v)
+
+
+def test_bad_dtypes():
+    q, k, v = _qkv()
+    _raises(TypeError, "q has dtype int32; expected float16, bfloat16 or float32", flash_attn_func, q.int(), k, v)
+    _raises(TypeError, "v has dtype float32 but q has float16", flash_attn_func, q, k, v.float())
+
+
+def test_bad_ranks_and_shapes():
+    q, k, v = _qkv()
+    _raises(ValueError, "q must have 4 dimensions", flash_attn_func, q[0], k, v)
+    _raises(ValueError, "v has shape .* expected the shape of k", flash_attn_func, q, k, v[:, :8])
+    _raises(ValueError, "k has batch size 1 but q has 2", flash_attn_func, q, k[:1], v[:1])
+    _raises(ValueError, "k has head dim 16 but q has 32", flash_attn_func, q, k[..., :16], v[..., :16])
+
+
+def test_head_dim_too_large():
+    q, k, v = _qkv(d=264)
+    _raises(ValueError, "head dim 264 .* 1 <= head_dim <= 256", flash_attn_func, q, k, v)
+
+
+def test_heads_not_a_multiple():
+    q, k, v = _qkv(h=5, hk=2)
+    _raises(ValueError, "q has 5 heads and k has 2", flash_attn_func, q, k, v)
+
+
+def test_non_unit_last_stride():
+    q, k, v = _qkv()
+    strided = randn(2, 16, 4, 64, dtype=torch.float16)[..., ::2]
+    _raises(ValueError, "q must have a unit stride in its last", flash_attn_func, strided, k, v)
+
+
+def test_device_mismatch():
+    q, k, v = _qkv()
+    other = torch.empty_like(k, device="meta") if not ON_GPU else k.cpu()
+    _raises(ValueError, "k is on .* but q is on", flash_attn_func, q, other, v)
+
+
+def test_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (torch.randn(1, 4, 1, 16, dtype=torch.float16) for _ in range(3))
+    _raises(ValueError, "q is on the CPU", flash_attn_func, q, k, v)
+
+
+@pytest.mark.parametrize("dropout_p", [-0.1, 1.0, 1.5, "0.1"])
+def test_bad_dropout(dropout_p):
+    _raises(ValueError, "dropout_p must be a number in \\[0, 1\\)", flash_attn_func, *_qkv(), dropout_p=dropout_p)
+
+
+@pytest.mark.parametrize("window_size", [(-2, 0), (1, 2, 3), (1.5, 2), "full", None])
+def test_bad_window(window_size):
+    _raises(ValueError, "window_size", flash_attn_func, *_qkv(), window_size=window_size)
+
+
+def test_bad_softcap_and_scale():
+    _raises(ValueError, "softcap must be a number >= 0", flash_attn_func, *_qkv(), softcap=-1.0)
+    _raises(TypeError, "softmax_scale must be a float or None", flash_attn_func, *_qkv(), softmax_scale="1")
+
+
+def test_bad_alibi_slopes():
+    q, k, v = _qkv()
+    _raises(TypeError, "alibi_slopes has dtype float16; expected float32", flash_attn_func, q, k, v,
+            alibi_slopes=torch.ones(4, device=DEVICE, dtype=torch.float16))
+    _raises(ValueError, "alibi_slopes has shape \\(3,\\); expected \\(4,\\)", flash_attn_func, q, k, v,
+            alibi_slopes=torch.ones(3, device=DEVICE))
+    _raises(ValueError, "alibi_slopes has shape \\(3, 4\\)", flash_attn_func, q, k, v,
+            alibi_slopes=torch.ones(3, 4, device=DEVICE))
+    other = "meta" if not ON_GPU else "cpu"
+    _raises(ValueError, "alibi_slopes is on", flash_attn_func, q, k, v, alibi_slopes=torch.ones(4, device=other))
+
+
+def test_bad_packed_shapes():
+    qkv = randn(2, 16, 2, 4, 32, dtype=torch.float16)
+    _raises(ValueError, "qkv must have shape \\(batch, seqlen, 3, nheads, headdim\\)", flash_attn_qkvpacked_func, qkv)
+    _raises(ValueError, "qkv must have 5 dimensions", flash_attn_qkvpacked_func, qkv[0])
+    q = randn(2, 16, 4, 32, dtype=torch.float16)
+    kv = randn(2, 16, 3, 2, 32, dtype=torch.float16)
+    _raises(ValueError, "kv must have shape \\(batch, seqlen_k, 2, nheads_k, headdim\\)",
+            flash_attn_kvpacked_func, q, kv)
+
+
+def test_still_works_after_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError):
+        flash_attn_func(q, k, v, dropout_p=2.0)
+    out = flash_attn_func(q, k, v)
+    assert torch.isfinite(out).all()
