@@ -20,8 +20,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashtile import flash_attn_func  # noqa: E402
-from flashtile.reference import attention_naive  # noqa: E402
-from flashtile.testing import allowed_error, rel_error  # noqa: E402
+from flashtile.testing import allowed_error, reference_errors  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float16
@@ -52,20 +51,11 @@ def run_check(label, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, opti
     grads = torch.autograd.grad(out, (q, k, v), dout)
     seconds = time.perf_counter() - start
 
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = attention_naive(*leaves64, **options)
-    same_out, _ = attention_naive(*leaves, dtype=None, **options)
-    ref_grads = torch.autograd.grad(ref_out, leaves64, dout.double())
-    same_grads = torch.autograd.grad(same_out, leaves, dout)
-
-    errors, ok = [], True
-    for ours, ref, same in zip((out, *grads), (ref_out, *ref_grads), (same_out, *same_grads)):
-        err, base = rel_error(ours, ref), rel_error(same, ref)
-        ok &= err <= allowed_error(base, DTYPE)
-        errors.append(f"{err:.1e} ({base:.1e})")
+    errors, _ = reference_errors(q, k, v, out, dout, grads, **options)
+    ok = all(err <= allowed_error(base, DTYPE) for _, err, base in errors)
+    cells = [f"{err:.1e} ({base:.1e})" for _, err, base in errors]
     print(f"{label:<24} {str((batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)):<28} "
-          + "  ".join(errors) + f"  {'ok' if ok else 'FAIL'}  {seconds:6.2f}s")
+          + "  ".join(cells) + f"  {'ok' if ok else 'FAIL'}  {seconds:6.2f}s")
     return ok
 
 

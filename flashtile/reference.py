@@ -112,6 +112,7 @@ def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: 
     lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=dtype, device=q.device)
     keep_all = visible_keys_mask(seqlen_q, seqlen_k, (left, right), device=q.device)
     v_full = _expand_kv_heads(v, nheads).to(dtype)
+    bias = alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, dtype) if alibi_slopes is not None else None
     for m0 in range(0, seqlen_q, block_m):
         m1 = min(m0 + block_m, seqlen_q)
         m_i = torch.full((batch, nheads, m1 - m0), float("-inf"), dtype=dtype, device=q.device)
@@ -123,9 +124,8 @@ def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: 
         for n0 in range((lo // block_n) * block_n, max(hi, 0), block_n):
             n1 = min(n0 + block_n, seqlen_k)
             s = _scores(q[:, m0:m1], k[:, n0:n1], softmax_scale, softcap, None, dtype)
-            if alibi_slopes is not None:
-                full_bias = alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, dtype)
-                s = s + full_bias[:, :, m0:m1, n0:n1]
+            if bias is not None:
+                s = s + bias[:, :, m0:m1, n0:n1]
             s = s.masked_fill(~keep_all[m0:m1, n0:n1], float("-inf"))
             m_new = torch.maximum(m_i, s.amax(dim=-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)

@@ -5,9 +5,11 @@ twice the error that plain PyTorch makes computing the same thing in the input d
 plus a small epsilon. Errors are relative Frobenius norms, ``||x - ref|| / ||ref||``.
 """
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
+
+from .reference import attention_naive
 
 # Floor on the allowed error per dtype, for cases where PyTorch's own error is tiny.
 EPSILON = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
@@ -32,17 +34,37 @@ def allowed_error(torch_error: float, dtype: torch.dtype, factor: float = 2.0) -
     return factor * torch_error + EPSILON[dtype]
 
 
-def check_close(name: str, ours: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor,
-                dtype: Optional[torch.dtype] = None, factor: float = 2.0) -> float:
-    """Assert ``ours`` is within the rule of ``ref``; ``same_dtype`` is PyTorch's answer in
-    the input dtype. Returns our error."""
-    dtype = dtype or ours.dtype
-    err = rel_error(ours, ref)
-    base = rel_error(same_dtype, ref)
-    bound = allowed_error(base, dtype, factor)
-    assert err <= bound, (f"{name}: relative error {err:.3e} exceeds {factor}x PyTorch's {dtype} error "
-                          f"{base:.3e} + {EPSILON[dtype]:.0e} = {bound:.3e}")
-    return err
+def reference_errors(q, k, v, out, dout=None, grads=None, dropout_mask=None,
+                     **options) -> Tuple[List[Tuple[str, float, float]], torch.Tensor]:
+    """Compare a kernel's ``out`` (and, given ``dout`` and ``grads``, its dq, dk, dv) with
+    the float64 reference.
+
+    Returns ``([(name, our_error, pytorch_error), ...], reference_lse)``, where pytorch_error
+    is the error of the same computation done by PyTorch in the input dtype. ``options`` are
+    the attention options (softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p);
+    ``dropout_mask`` is the kernel's own mask, applied to both references.
+    """
+    backward = grads is not None
+    # Separate leaves, so the float64 reference's gradients are not rounded to the input dtype.
+    leaves64 = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
+    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
+    ref_out, ref_lse = attention_naive(*leaves64, dropout_mask=dropout_mask, dtype=torch.float64, **options)
+    same_out, _ = attention_naive(*leaves, dropout_mask=dropout_mask, dtype=None, **options)
+    errors = [("out", rel_error(out, ref_out), rel_error(same_out, ref_out))]
+    if backward:
+        ref_grads = torch.autograd.grad(ref_out, leaves64, dout.double())
+        same_grads = torch.autograd.grad(same_out, leaves, dout)
+        for name, g, rg, sg in zip(("dq", "dk", "dv"), grads, ref_grads, same_grads):
+            errors.append((name, rel_error(g, rg), rel_error(sg, rg)))
+    return errors, ref_lse
+
+
+def check_errors(errors: List[Tuple[str, float, float]], dtype: torch.dtype, factor: float = 2.0) -> None:
+    """Assert each (name, our_error, pytorch_error) from :func:`reference_errors` obeys the rule."""
+    for name, err, base in errors:
+        bound = allowed_error(base, dtype, factor)
+        assert err <= bound, (f"{name}: relative error {err:.3e} exceeds {factor}x PyTorch's {dtype} error "
+                              f"{base:.3e} + {EPSILON[dtype]:.0e} = {bound:.3e}")
 
 
 def check_lse(lse: torch.Tensor, ref_lse: torch.Tensor, atol: float = 1e-3) -> None:

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from ..configs import BWD_DKDV, BWD_DQ, FWD, get_config, padded_head_dim
-from ..runtime import arch_of
+from ..runtime import arch_of, empty
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .forward import attn_fwd_kernel
 from .probs import attn_probs_kernel
@@ -141,7 +141,8 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype) -> torch
     """The full (b, h, sq, sk) probability matrix, dropped entries negated. N^2 memory."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    probs = torch.zeros((batch, nheads, seqlen_q, seqlen_k), device=q.device, dtype=dtype)
+    # The kernel writes every element (masked ones as 0), so no memset is needed.
+    probs = empty((batch, nheads, seqlen_q, seqlen_k), dtype, q.device)
     if probs.numel() == 0:
         return probs
     cfg = get_config(FWD, arch_of(q.device), head_dim)
