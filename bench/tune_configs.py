@@ -27,9 +27,13 @@ from flashtile.testing import rel_error  # noqa: E402
 C = KernelConfig
 CANDIDATES = {
     FWD: {
-        64: [C(128, 64, 4, 3), C(128, 64, 8, 3), C(128, 128, 8, 3), C(128, 32, 4, 4), C(64, 64, 4, 3), C(128, 128, 8, 2)],
-        128: [C(128, 64, 8, 3), C(128, 64, 4, 3), C(128, 128, 8, 2), C(128, 32, 4, 3), C(64, 64, 4, 3), C(128, 64, 8, 2)],
-        256: [C(64, 64, 8, 2), C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 32, 8, 2), C(64, 32, 4, 3)],
+        64: [C(64, 64, 4, 3), C(128, 64, 4, 3, True), C(128, 64, 4, 3, True, True), C(128, 128, 8, 3, True, True),
+             C(128, 128, 4, 3, True, True), C(128, 64, 8, 3, True, True), C(128, 128, 8, 2, True)],
+        128: [C(128, 64, 8, 3), C(128, 64, 8, 3, True), C(128, 128, 8, 3, True), C(128, 64, 8, 3, True, True),
+              C(128, 128, 8, 3, True, True), C(128, 128, 8, 2, True, True), C(128, 128, 4, 3, True, True),
+              C(128, 64, 4, 3, True, True)],
+        256: [C(128, 64, 8, 2), C(128, 64, 8, 2, True), C(128, 64, 8, 2, True, True), C(128, 128, 8, 2, True, True),
+              C(64, 128, 4, 2, True, True), C(128, 32, 8, 3, True, True), C(64, 64, 4, 3, True, True)],
     },
     BWD_DKDV: {
         64: [C(64, 64, 4, 2), C(32, 128, 4, 3), C(32, 64, 4, 3), C(64, 128, 8, 2), C(32, 128, 8, 3), C(16, 64, 4, 3)],
@@ -60,12 +64,29 @@ def time_kernel(q, k, v, dout, causal, kernel):
                                    return_mode="median")
 
 
+def time_cudnn(q, k, v, dout, causal) -> dict:
+    """cuDNN attention (torch SDPA) on the same inputs: forward and backward ms."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    dt = dout.transpose(1, 2)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        def fwd():
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        with torch.no_grad():
+            fwd_ms = triton.testing.do_bench(fwd, return_mode="median")
+        out = fwd()
+        bwd_ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (qt, kt, vt), dt, retain_graph=True),
+                                         return_mode="median")
+    return {"fwd": fwd_ms, "bwd": bwd_ms}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--headdims", default="64,128,256")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--kernels", default=f"{FWD},{BWD_DKDV},{BWD_DQ}")
     parser.add_argument("--out", default="bench/results/tune")
+    parser.add_argument("--anchor", action="store_true", help="also time torch SDPA's cuDNN backend")
     args = parser.parse_args()
     results = []
     for head_dim in map(int, args.headdims.split(",")):
@@ -76,6 +97,12 @@ def main():
         for causal in (False, True):
             flops = 4 * batch * nheads * args.seqlen**2 * head_dim / (2 if causal else 1)
             baseline = {kern: run_once(q, k, v, dout, causal, kern) for kern in (FWD, BWD_DQ)}
+            if args.anchor:
+                for mode, ms in time_cudnn(q, k, v, dout, causal).items():
+                    row = dict(head_dim=head_dim, causal=causal, kernel=f"cudnn_{mode}", ms=ms,
+                               tflops=flops * (1 if mode == "fwd" else 2.5) / ms * 1e-9)
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
             for kernel in args.kernels.split(","):
                 for cfg in CANDIDATES[kernel][head_dim]:
                     row = dict(head_dim=head_dim, causal=causal, kernel=kernel, config=cfg.__dict__)
@@ -102,12 +129,15 @@ def main():
     best = {}
     for row in results:
         key = (row["head_dim"], row["causal"], row["kernel"])
-        if "tflops" in row and (key not in best or row["tflops"] > best[key]["tflops"]):
+        if "config" in row and "tflops" in row and (key not in best or row["tflops"] > best[key]["tflops"]):
             best[key] = row
     for (head_dim, causal, kernel), row in sorted(best.items()):
         default = next(r for r in results if (r["head_dim"], r["causal"], r["kernel"]) == (head_dim, causal, kernel))
         print(f"d={head_dim:<4} causal={causal!s:<5} {kernel:<9} best {row['config']} {row['tflops']:6.1f}"
               f"  (default {default.get('tflops', float('nan')):6.1f})")
+    for row in results:
+        if "config" not in row:
+            print(f"d={row['head_dim']:<4} causal={row['causal']!s:<5} {row['kernel']:<9} {row['tflops']:6.1f}")
 
 
 if __name__ == "__main__":

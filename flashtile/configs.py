@@ -1,31 +1,110 @@
 """Kernel launch configurations, kept as data.
 
-Every kernel launch takes its tile sizes, warps and pipeline depth from a
-:class:`KernelConfig`; the tables below say which config serves which
-(architecture, kernel, head dim). Nothing in the launch code hard-codes a tile size.
+Every kernel launch takes its tile sizes, warps and pipeline depth from a config
+object (:class:`KernelConfig` for the portable Triton kernels, :class:`GluonFwdConfig`
+for the Hopper forward); the tables below say which config serves which
+(architecture, kernel, head dim, causal, seqlen range, dtype). Nothing in the launch code
+hard-codes a tile size.
 """
 
 import contextlib
 from dataclasses import dataclass
+from typing import Optional, Union
 
+import torch
 import triton
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shape and scheduling of one kernel launch.
+    """Tile shape and scheduling of one portable Triton kernel launch.
 
     block_m: query rows per tile; block_n: key rows per tile.
     num_warps / num_stages: Triton's warps per program and software-pipelining depth.
+    use_tma: move tiles with the copy engine through tensor descriptors (sm90+), when
+        the tensors' alignment allows it; otherwise the kernel falls back to pointer loads.
+    warp_specialize: let Triton split the main loop into producer and consumer warps
+        (needs use_tma to pay off).
     """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    use_tma: bool = False
+    warp_specialize: bool = False
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """The Hopper (sm90) warp-specialized forward (flashtile/kernels/gluon_forward.py).
+
+    A CTA holds num_consumers warpgroups of 64 query rows each and one TMA loader warp.
+    block_n: keys per K/V tile; num_stages: depth of the K/V shared-memory ring;
+    consumer_regs / loader_regs: registers per thread each role asks for (setmaxnreg);
+    pingpong: the consumer warpgroups take turns issuing their matmuls (FA3's
+    inter-warpgroup overlap: one's softmax runs under the other's matmuls).
+    """
+
+    block_n: int
+    num_stages: int
+    num_consumers: int = 2
+    consumer_regs: int = 240
+    loader_regs: int = 40
+    pingpong: bool = False
+
+    @property
+    def block_m(self) -> int:
+        return self.num_consumers * 64
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    """The Hopper (sm90) warp-specialized backward (flashtile/kernels/gluon_backward.py).
+
+    A CTA holds 128 keys (two consumer warpgroups of 64) and one TMA loader warp, and
+    streams query tiles past them. block_m: query rows per streamed Q/dO tile;
+    num_stages: depth of the Q/dO ring; consumer_regs / loader_regs: setmaxnreg per role.
+    """
+
+    block_m: int
+    num_stages: int
+    consumer_regs: int = 240
+    loader_regs: int = 24
+
+    @property
+    def dq_split_m(self) -> bool:
+        # Each warpgroup computes dQ for 64 of the block_m query rows (block_m = 128), or for
+        # one half of the head dim (block_m = 64): both splits fall on 64-element boundaries
+        # of the 128-byte swizzled tiles, so every matmul operand is a whole-atom view.
+        return self.block_m == 128
+
+
+Config = Union[KernelConfig, GluonFwdConfig, GluonBwdConfig]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of a config table: ``config`` serves head dims up to ``max_head_dim``
+    (padded to a power of two), the given causal flag (None: both), key lengths in
+    [min_seqlen_k, max_seqlen_k) and the given dtypes (empty: all). First match wins.
+    A ``None`` config means "this kernel does not serve these shapes"."""
+
+    max_head_dim: int
+    config: Optional[Config]
+    causal: Optional[bool] = None
+    min_seqlen_k: int = 0
+    max_seqlen_k: int = 2**62
+    dtypes: tuple = ()
+
+    def matches(self, head_dim: int, causal: bool, seqlen_k: int, dtype) -> bool:
+        return (padded_head_dim(head_dim) <= self.max_head_dim
+                and (self.causal is None or self.causal == causal)
+                and self.min_seqlen_k <= seqlen_k < self.max_seqlen_k
+                and (not self.dtypes or dtype in self.dtypes))
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -37,6 +116,9 @@ def padded_head_dim(head_dim: int) -> int:
 FWD = "fwd"          # forward: one program per (query block, head, batch)
 BWD_DKDV = "bwd_dkdv"  # backward, dK/dV: one program per (key block, kv head, batch)
 BWD_DQ = "bwd_dq"    # backward, dQ: one program per (query block, head, batch)
+FWD_GLUON = "fwd_gluon"  # Hopper forward: warp-specialized Gluon kernel (sm90, fp16/bf16)
+BWD_GLUON = "bwd_gluon"  # Hopper backward: dK/dV and (atomically) dQ in one Gluon kernel
+KERNELS = (FWD, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_GLUON)
 
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths
 # exercised at the small sequence lengths CPU tests use.
@@ -44,48 +126,69 @@ _INTERPRETER = {
     FWD: KernelConfig(32, 32),
     BWD_DKDV: KernelConfig(32, 32),
     BWD_DQ: KernelConfig(32, 32),
+    FWD_GLUON: None,
+    BWD_GLUON: None,
 }
 
 # Portable GPU defaults, keyed by the padded head dim (upper bound). Chosen to fit
 # registers and shared memory on sm80/sm90; tuned values per arch go in _TUNED.
 _DEFAULT_GPU = {
     FWD: [
-        (64, KernelConfig(128, 64, num_warps=4, num_stages=3)),
-        (128, KernelConfig(128, 64, num_warps=8, num_stages=3)),
-        (256, KernelConfig(64, 64, num_warps=8, num_stages=2)),
+        Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3)),
+        Rule(128, KernelConfig(128, 64, num_warps=8, num_stages=3)),
+        Rule(256, KernelConfig(64, 64, num_warps=8, num_stages=2)),
     ],
     BWD_DKDV: [
-        (64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
-        (128, KernelConfig(64, 64, num_warps=8, num_stages=2)),
-        (256, KernelConfig(32, 64, num_warps=8, num_stages=1)),
+        Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
+        Rule(128, KernelConfig(64, 64, num_warps=8, num_stages=2)),
+        Rule(256, KernelConfig(32, 64, num_warps=8, num_stages=1)),
     ],
     BWD_DQ: [
-        (64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
-        (128, KernelConfig(64, 64, num_warps=8, num_stages=2)),
-        (256, KernelConfig(64, 32, num_warps=8, num_stages=1)),
+        Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
+        Rule(128, KernelConfig(64, 64, num_warps=8, num_stages=2)),
+        Rule(256, KernelConfig(64, 32, num_warps=8, num_stages=1)),
     ],
+    FWD_GLUON: [],  # Hopper only
+    BWD_GLUON: [],
 }
 
-# Measured per architecture: {arch: {kernel: [(max padded head dim, config), ...]}}.
-# sm90 (H100/H200): bench/tune_configs.py on an H200, bf16, 16k tokens, hidden 2048,
-# seqlen 4096; each the best geometric mean over causal and non-causal
-# (bench/results/2026-11-21-h200-tune.md has the numbers).
+# Measured per architecture: {arch: {kernel: [Rule, ...]}}.
+# sm90 (H100/H200), measured on an H200 in bf16 at 16k tokens, hidden 2048:
+# - portable kernels: bench/tune_configs.py at seqlen 4096, the best geometric mean over
+#   causal and non-causal (bench/results/2026-11-21-h200-tune*.md);
+# - the Gluon forward and backward: bench/gluon_fwd_probe.py and bench/gluon_bwd_probe.py,
+#   seqlen 1k/4k/16k (bench/results/2026-11-21-h200-gluon-*.json). At head dim 64 it wins only
+#   on long keys (short or causal ones stay on the Triton kernel); head dims it does not
+#   list fall back to the Triton kernel.
 _TUNED: dict = {
     "sm90": {
         FWD: [
-            (64, KernelConfig(64, 64, num_warps=4, num_stages=3)),
-            (128, KernelConfig(128, 64, num_warps=8, num_stages=3)),
-            (256, KernelConfig(128, 64, num_warps=8, num_stages=2)),
+            Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3, use_tma=True)),
+            Rule(128, KernelConfig(128, 128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True)),
+            Rule(256, KernelConfig(128, 64, num_warps=8, num_stages=2)),
+        ],
+        FWD_GLUON: [
+            Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
+                 causal=False, min_seqlen_k=4096),
+            Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
+                 causal=True, min_seqlen_k=8192),
+            Rule(64, None),
+            Rule(128, GluonFwdConfig(128, 2, pingpong=True)),
+            Rule(256, GluonFwdConfig(64, 2, pingpong=True)),
+        ],
+        BWD_GLUON: [
+            Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),
+            Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
         ],
         BWD_DKDV: [
-            (64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
-            (128, KernelConfig(32, 64, num_warps=4, num_stages=3)),
-            (256, KernelConfig(32, 32, num_warps=4, num_stages=2)),
+            Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
+            Rule(128, KernelConfig(32, 64, num_warps=4, num_stages=3)),
+            Rule(256, KernelConfig(32, 32, num_warps=4, num_stages=2)),
         ],
         BWD_DQ: [
-            (64, KernelConfig(128, 64, num_warps=8, num_stages=2)),
-            (128, KernelConfig(64, 32, num_warps=4, num_stages=3)),
-            (256, KernelConfig(128, 32, num_warps=8, num_stages=2)),
+            Rule(64, KernelConfig(128, 64, num_warps=8, num_stages=2)),
+            Rule(128, KernelConfig(64, 32, num_warps=4, num_stages=3)),
+            Rule(256, KernelConfig(128, 32, num_warps=8, num_stages=2)),
         ],
     },
 }
@@ -98,10 +201,11 @@ _OVERRIDES: dict = {}
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
     """Within the block, launch the named kernels with the given configs, e.g.
-    ``with override(bwd_dkdv=KernelConfig(32, 128, 8, 2)): ...``."""
-    unknown = set(configs) - {FWD, BWD_DKDV, BWD_DQ}
+    ``with override(bwd_dkdv=KernelConfig(32, 128, 8, 2)): ...``. Overriding ``fwd``
+    forces the portable forward; ``fwd_gluon=None`` turns the Hopper forward off."""
+    unknown = set(configs) - set(KERNELS)
     if unknown:
-        raise ValueError(f"unknown kernel names {sorted(unknown)}; expected {FWD}, {BWD_DKDV} or {BWD_DQ}")
+        raise ValueError(f"unknown kernel names {sorted(unknown)}; expected one of {', '.join(KERNELS)}")
     previous = dict(_OVERRIDES)
     _OVERRIDES.update(configs)
     try:
@@ -111,17 +215,32 @@ def override(**configs: KernelConfig):
         _OVERRIDES.update(previous)
 
 
-def get_config(kernel: str, arch: str, head_dim: int) -> KernelConfig:
-    """The config for ``kernel`` on ``arch`` ('sm90', 'interpreter', ...) at ``head_dim``."""
+def overridden(kernel: str) -> bool:
+    """Whether :func:`override` set ``kernel``'s config."""
+    return kernel in _OVERRIDES
+
+
+def get_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
+               dtype: Optional[torch.dtype] = None) -> Optional[Config]:
+    """The config for ``kernel`` on ``arch`` ('sm90', 'interpreter', ...) for these shapes.
+
+    Order: :func:`override`, then the tuned table of ``arch``, then the portable defaults.
+    None: the kernel does not serve these shapes.
+    """
     if kernel in _OVERRIDES:
         return _OVERRIDES[kernel]
+    return table_config(kernel, arch, head_dim, causal, seqlen_k, dtype)
+
+
+def table_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
+                 dtype: Optional[torch.dtype] = None) -> Optional[Config]:
+    """The committed tables alone (no override)."""
     if arch == "interpreter":
         return _INTERPRETER[kernel]
-    padded = padded_head_dim(head_dim)
     for table in (_TUNED.get(arch, {}).get(kernel), _DEFAULT_GPU[kernel]):
-        if not table:
-            continue
-        for max_dim, config in table:
-            if padded <= max_dim:
-                return config
+        for rule in table or ():
+            if rule.matches(head_dim, causal, seqlen_k, dtype):
+                return rule.config
+    if kernel in (FWD_GLUON, BWD_GLUON):
+        return None
     raise ValueError(f"no {kernel} config for head dim {head_dim} on {arch}")

@@ -58,9 +58,10 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _save(ctx, q, k, v, out, lse, params: ScoreParams) -> None:
+def _save(ctx, q, k, v, out, lse, params: ScoreParams, deterministic: bool) -> None:
     ctx.save_for_backward(q, k, v, out, lse, params.alibi_slopes, params.dropout_seed)
     ctx.params = params
+    ctx.deterministic = bool(deterministic)
 
 
 def _saved(ctx):
@@ -82,14 +83,15 @@ class FlashAttnFunc(torch.autograd.Function):
                 deterministic, return_attn_probs):
         params = _score_params(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
         out, lse, probs = _forward(q, k, v, params, return_attn_probs)
-        _save(ctx, q, k, v, out, lse, params)
+        _save(ctx, q, k, v, out, lse, params, deterministic)
         return _outputs(ctx, out, lse, probs, return_attn_probs)
 
     @staticmethod
     def backward(ctx, dout, *_):
         q, k, v, out, lse, params = _saved(ctx)
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-        attention_backward(q, k, v, out, _unit_last_stride(dout), lse, dq, dk, dv, params)
+        attention_backward(q, k, v, out, _unit_last_stride(dout), lse, dq, dk, dv, params,
+                           ctx.deterministic)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -100,14 +102,15 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
         q, k, v = qkv.unbind(dim=2)
         params = _score_params(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
         out, lse, probs = _forward(q, k, v, params, return_attn_probs)
-        _save(ctx, qkv, None, None, out, lse, params)
+        _save(ctx, qkv, None, None, out, lse, params, deterministic)
         return _outputs(ctx, out, lse, probs, return_attn_probs)
 
     @staticmethod
     def backward(ctx, dout, *_):
         qkv, _, _, out, lse, params = _saved(ctx)
         dqkv = empty_like(qkv)
-        attention_backward(*qkv.unbind(dim=2), out, _unit_last_stride(dout), lse, *dqkv.unbind(dim=2), params)
+        attention_backward(*qkv.unbind(dim=2), out, _unit_last_stride(dout), lse, *dqkv.unbind(dim=2), params,
+                           ctx.deterministic)
         return dqkv, None, None, None, None, None, None, None, None
 
 
@@ -118,14 +121,15 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
         k, v = kv.unbind(dim=2)
         params = _score_params(q, k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
         out, lse, probs = _forward(q, k, v, params, return_attn_probs)
-        _save(ctx, q, kv, None, out, lse, params)
+        _save(ctx, q, kv, None, out, lse, params, deterministic)
         return _outputs(ctx, out, lse, probs, return_attn_probs)
 
     @staticmethod
     def backward(ctx, dout, *_):
         q, kv, _, out, lse, params = _saved(ctx)
         dq, dkv = empty_like(q), empty_like(kv)
-        attention_backward(q, *kv.unbind(dim=2), out, _unit_last_stride(dout), lse, dq, *dkv.unbind(dim=2), params)
+        attention_backward(q, *kv.unbind(dim=2), out, _unit_last_stride(dout), lse, dq, *dkv.unbind(dim=2), params,
+                           ctx.deterministic)
         return dq, dkv, None, None, None, None, None, None, None, None
 
 
@@ -145,7 +149,9 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         window_size: (left, right) sliding window around i + seqlen_k - seqlen_q, inclusive; -1 = unbounded.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before masking and ALiBi.
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j|.
-        deterministic: accepted for compatibility; flashtile's backward is always deterministic.
+        deterministic: if True, the backward sums every gradient in a fixed order (bit-identical
+            runs). If False (default), the Hopper backward may add dQ up with float32
+            reductions in arbitrary order (last-bit differences between runs).
         return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) float32 and the
             probabilities (batch, nheads, seqlen_q, seqlen_k) (testing only: O(N^2) memory).
     Returns:

@@ -29,6 +29,12 @@ def check_device_supported(device: torch.device, arg_name: str = "q") -> None:
     raise ValueError(f"{arg_name} is on device {device}: flashtile supports CUDA tensors (or CPU via TRITON_INTERPRET=1)")
 
 
+def portable_only() -> bool:
+    """FLASHTILE_PORTABLE=1 keeps every call on the portable Triton kernels (no Hopper
+    Gluon kernels): for comparisons, and to run the test suite on both paths."""
+    return os.environ.get("FLASHTILE_PORTABLE", "0") not in ("", "0")
+
+
 def poison_outputs_enabled() -> bool:
     """FLASHTILE_POISON_OUTPUTS=1 fills output buffers with NaN before the kernels run,
     so that any element a kernel fails to write shows up in a test (the tests set it)."""

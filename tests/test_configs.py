@@ -6,18 +6,33 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func
-from flashtile.configs import _TUNED, BWD_DKDV, BWD_DQ, FWD, KernelConfig, override
+from flashtile.configs import _TUNED, BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, KernelConfig, override
+from flashtile.runtime import portable_only
 
 from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv
 
 C = KernelConfig
-ASYMMETRIC = [C(16, 32, 4, 1), C(32, 16, 4, 2), C(16, 64, 4, 3), C(64, 16, 2, 2)]
+ASYMMETRIC = [C(16, 32, 4, 1), C(32, 16, 4, 2), C(16, 64, 4, 3), C(64, 16, 2, 2),
+              C(32, 16, 4, 2, use_tma=True, warp_specialize=True), C(16, 32, 4, 3, use_tma=True)]
 if ON_GPU:
     ASYMMETRIC += [C(32, 64, 4, 3), C(32, 128, 8, 3), C(16, 64, 4, 3), C(128, 32, 8, 3), C(64, 32, 4, 3),
                    C(128, 128, 8, 2)]
     for tables in _TUNED.values():
-        for kernel_table in tables.values():
-            ASYMMETRIC += [cfg for _, cfg in kernel_table if cfg not in ASYMMETRIC]
+        for kernel, rules in tables.items():
+            if kernel not in (FWD_GLUON, BWD_GLUON):
+                ASYMMETRIC += [rule.config for rule in rules if rule.config not in ASYMMETRIC]
+
+# The Hopper Gluon kernels: every config of the sm90 table plus the probes' alternatives,
+# as (head dim, config) pairs (a config is sized for its head dim).
+ON_SM90 = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and not portable_only()
+GLUON_FWD, GLUON_BWD = [], []
+if ON_SM90:
+    from flashtile.kernels import gluon_backward, gluon_forward
+
+    for kernel, pairs, candidates in ((FWD_GLUON, GLUON_FWD, gluon_forward.CANDIDATES),
+                                      (BWD_GLUON, GLUON_BWD, gluon_backward.CANDIDATES)):
+        pairs += [(rule.max_head_dim, rule.config) for rule in _TUNED["sm90"][kernel] if rule.config is not None]
+        pairs += [(d, cfg) for d, by_name in candidates.items() for cfg in by_name.values() if (d, cfg) not in pairs]
 
 
 @pytest.mark.parametrize("kernel", [FWD, BWD_DKDV, BWD_DQ])
@@ -35,3 +50,22 @@ def test_config_computes_the_same_function(kernel, config, causal):
             if "OutOfResources" in type(exc).__name__:
                 pytest.skip(f"{config} does not fit this GPU: {exc}")
             raise
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run on sm90 only")
+@pytest.mark.parametrize("kernel", [FWD_GLUON, BWD_GLUON])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,nheads_k", [(700, 1000, 2), (1000, 700, 4), (4, 333, 1)])
+@pytest.mark.parametrize("index", range(8))
+def test_gluon_config(kernel, causal, seqlen_q, seqlen_k, nheads_k, index):
+    """Each Gluon config, forced through the override hook, against the reference."""
+    from flashtile.kernels.launch import ScoreParams, gluon_config
+
+    pairs = GLUON_FWD if kernel == FWD_GLUON else GLUON_BWD
+    if index >= len(pairs):
+        pytest.skip("no such config")
+    head_dim, config = pairs[index]
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, nheads_k, head_dim, torch.bfloat16)
+    with override(**{kernel: config}):
+        assert gluon_config(kernel, q, k, v, ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1))
+        check_against_reference(flash_attn_func, q, k, v, causal=causal, backward=kernel == BWD_GLUON)

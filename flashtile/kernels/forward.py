@@ -6,7 +6,7 @@ import triton.language as tl
 
 from .dropout import dropout_keep
 from .scores import LN2, LOG2E, band_block_range, mask_scores, scores_log2
-from .tile_io import load_tile, store_tile
+from .tile_io import load_rows, store_rows
 
 
 @triton.jit
@@ -19,39 +19,49 @@ def load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI: tl.const
 
 
 @triton.jit
-def _fwd_key_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs,
+def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs,
                     col_start, col_end, rows, offs_n, offs_d,
                     seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
                     window_left, window_right, dropout_seed, dropout_row_offset, dropout_p,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
+                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Fold key blocks [col_start, col_end) into the running (acc, m_i, l_i)."""
-    for start_n in range(col_start, col_end, BLOCK_N):
+    for start_n in tl.range(col_start, col_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
-        k = load_tile(k_base, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        k = load_rows(k_src, b, h_kv, start_n, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D,
+                      APPLY_MASK, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s, _ = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
-                           HAS_SOFTCAP, HAS_ALIBI)
+        if SCALE_IN_EXP2:
+            # Plain scaled scores (scale > 0): keep them raw so the scale and the max
+            # subtraction fuse into one multiply-add before exp2.
+            s = qk
+            scale = qk_scale
+        else:
+            s, _ = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
+                               HAS_SOFTCAP, HAS_ALIBI)
+            scale = 1.0
         if APPLY_MASK:
             s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         if APPLY_MASK:
             # A row with every key masked so far keeps m = -inf; subtract 0 instead so
             # exp2 gives 0, not NaN.
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
-        p = tl.exp2(s - m_new_safe[:, None])
+        p = tl.exp2(s * scale - m_new_safe[:, None])
         alpha = tl.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             # lse is of the undropped scores; only the p @ v product sees the mask.
             keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row_offset, seqlen_k, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = load_tile(v_base, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        v = load_rows(v_src, b, h_kv, start_n, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D,
+                      APPLY_MASK, USE_TMA)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -71,21 +81,30 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_IN_EXP2: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
+    """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
     h_kv = h // head_group  # GQA: consecutive query heads share a kv head
     diag = seqlen_k - seqlen_q
 
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    if USE_TMA:
+        q_src = Q
+        k_src = K
+        v_src = V
+        o_dst = Out
+    else:
+        q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+        v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+        o_dst = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(q_base, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True)
+    q = load_rows(q_src, b, h, start_m, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True, USE_TMA)
 
     alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
     dropout_seed = 0
@@ -101,23 +120,23 @@ def attn_fwd_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # Edge blocks on the left of the band, blocks wholly inside it, edge blocks on the right.
     acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
+        acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row_offset, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
+        acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row_offset, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
+        acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row_offset, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
 
     # A row that saw no key at all (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0
@@ -127,7 +146,7 @@ def attn_fwd_kernel(
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
-    o_base = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    store_tile(o_base, out.to(Out.dtype.element_ty), rows, offs_d, stride_os, seqlen_q, HEAD_DIM, BLOCK_D)
+    store_rows(o_dst, out.to(q.dtype), b, h, start_m, rows, offs_d, stride_os, seqlen_q,
+               HEAD_DIM, BLOCK_D, USE_TMA)
     lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + rows
     tl.store(lse_ptrs, lse, mask=rows < seqlen_q)

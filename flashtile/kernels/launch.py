@@ -11,9 +11,11 @@ from typing import Optional
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..configs import BWD_DKDV, BWD_DQ, FWD, get_config, padded_head_dim
-from ..runtime import arch_of, empty
+from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, Config, get_config, overridden,
+                       padded_head_dim)
+from ..runtime import arch_of, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .forward import attn_fwd_kernel
 from .probs import attn_probs_kernel
@@ -37,6 +39,17 @@ class ScoreParams:
     alibi_slopes: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     dropout_seed: Optional[torch.Tensor] = None
+
+    @property
+    def causal(self) -> bool:
+        """Plain causal: the band is everything up to the diagonal (the config tables' key)."""
+        return self.window_left < 0 and self.window_right == 0
+
+    @property
+    def plain(self) -> bool:
+        """Scaled dot products with at most a causal mask: what the Hopper kernels handle."""
+        return (self.softcap == 0.0 and self.alibi_slopes is None and self.dropout_p == 0.0
+                and self.window_left < 0 and self.window_right in (-1, 0) and self.softmax_scale > 0)
 
     def kernel_args(self, dtype: torch.dtype) -> dict:
         """Keyword arguments every attention kernel takes."""
@@ -79,24 +92,91 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
 
 
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine can move tiles of these (b, s, h, d) tensors: 16-byte
+    aligned base and strides, unit last stride, no empty dim."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or min(t.shape) == 0:
+            return False
+        if any((stride * size) % 16 for dim, stride in zip(t.shape[:-1], t.stride()[:-1]) if dim > 1):
+            return False
+    return True
+
+
+def row_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
+    """A tensor descriptor over (b, s, h, d) whose tiles are block_rows rows of one (batch, head)."""
+    # A size-1 dim's stride is never used; give it a valid (aligned) value.
+    strides = [stride if dim > 1 else t.shape[-1] * 16 for dim, stride in zip(t.shape, t.stride())]
+    strides[-1] = 1
+    return TensorDescriptor(t, list(t.shape), strides, [1, block_rows, 1, block_d])
+
+
+def gluon_config(kernel: str, q, k, v, params: ScoreParams) -> Optional[Config]:
+    """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
+    call, else None: the call runs on the portable Triton kernels."""
+    if q.device.type != "cuda" or portable_only() or not params.plain:
+        return None
+    portable = (FWD,) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
+    if any(overridden(name) for name in portable) and not overridden(kernel):
+        return None  # an explicit portable config was asked for
+    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, k.shape[1], q.dtype)
+    if cfg is None:
+        return None
+    # Imported on sm90 only (Gluon has no CPU interpreter).
+    if kernel == FWD_GLUON:
+        from .gluon_forward import supported
+    else:
+        from .gluon_backward import supported
+    return cfg if supported(q, k, v, params.causal) else None
+
+
 def attention_forward(q, k, v, out, lse, params: ScoreParams) -> None:
     """out (b, sq, h, d) <- attention; lse (b, h, sq) float32 <- natural-log logsumexp."""
     batch, seqlen_q, nheads, head_dim = q.shape
     if out.numel() == 0:
         return
-    cfg = get_config(FWD, arch_of(q.device), head_dim)
+    gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params)
+    if gluon_cfg is not None:
+        from .gluon_forward import gluon_attention_forward
+
+        gluon_attention_forward(q, k, v, out, lse, params.softmax_scale, params.causal, gluon_cfg)
+        return
+    cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, k.shape[1], q.dtype)
+    launch_forward(q, k, v, out, lse, params, cfg)
+
+
+def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg) -> None:
+    """The portable forward with an explicit config (the autotuner times several)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    block_d = padded_head_dim(head_dim)
+    use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
+    if use_tma:
+        tiles = (row_descriptor(q, cfg.block_m, block_d), row_descriptor(k, cfg.block_n, block_d),
+                 row_descriptor(v, cfg.block_n, block_d), row_descriptor(out, cfg.block_m, block_d))
+    else:
+        tiles = (q, k, v, out)
     grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
     attn_fwd_kernel[grid](
-        q, k, v, out, lse,
+        *tiles, lse,
         *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out),
         lse.stride(0), lse.stride(1),
         **_shape_args(q, k), **params.kernel_args(q.dtype),
+        # Plain scaled scores fold the scale into exp2's multiply-add (needs scale > 0).
+        SCALE_IN_EXP2=(params.softcap == 0.0 and params.alibi_slopes is None and params.softmax_scale > 0),
+        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
     )
 
 
-def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams) -> None:
-    """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``."""
+def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
+                       deterministic: bool = False) -> None:
+    """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``.
+
+    On sm90 the Gluon backward serves plain (full or causal) attention unless
+    ``deterministic``: it adds dQ up across key blocks with float32 reductions. The
+    portable path (preprocess, dK/dV, dQ kernels) sums every gradient in a fixed order.
+    """
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if dq.numel() == 0 and dk.numel() == 0:
@@ -112,23 +192,30 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams)
 
     delta = torch.empty((batch, nheads, seqlen_q), device=q.device, dtype=torch.float32)
     lse_log2 = torch.empty_like(delta)
-    pre_cfg = get_config(FWD, arch, head_dim)
+    pre_cfg = get_config(FWD, arch, head_dim, params.causal, seqlen_k, q.dtype)
     attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_cfg.block_m), nheads, batch)](
         out, dout, lse, delta, lse_log2,
         *_bsh_strides(out), *_bsh_strides(dout), lse.stride(0), lse.stride(1),
         nheads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], BLOCK_M=pre_cfg.block_m,
     )
+    gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params)
+    if gluon_cfg is not None:
+        from .gluon_backward import gluon_attention_backward
+
+        gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, params.softmax_scale, params.causal,
+                                 gluon_cfg)
+        return
     common = (*_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(dout))
 
     if seqlen_k > 0:
-        cfg = get_config(BWD_DKDV, arch, head_dim)
+        cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, seqlen_k, q.dtype)
         attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](
             q, k, v, dout, lse_log2, delta, dk, dv,
             *common, *_bsh_strides(dk), *_bsh_strides(dv),
             softmax_scale=params.softmax_scale, **shape, **score,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
         )
-    cfg = get_config(BWD_DQ, arch, head_dim)
+    cfg = get_config(BWD_DQ, arch, head_dim, params.causal, seqlen_k, q.dtype)
     attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
         q, k, v, dout, lse_log2, delta, dq,
         *common, *_bsh_strides(dq),
@@ -145,7 +232,7 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype) -> torch
     probs = empty((batch, nheads, seqlen_q, seqlen_k), dtype, q.device)
     if probs.numel() == 0:
         return probs
-    cfg = get_config(FWD, arch_of(q.device), head_dim)
+    cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, seqlen_k, q.dtype)
     attn_probs_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
         q, k, lse, probs,
         *_bsh_strides(q), *_bsh_strides(k), lse.stride(0), lse.stride(1),

@@ -31,3 +31,30 @@ def store_tile(base, tile, rows, offs_d, stride_row, n_rows,
         tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
     else:
         tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def load_rows(src, b, h, start, rows, offs_d, stride_row, n_rows,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows ``rows = start + arange`` of one (batch, head) as a (len(rows), BLOCK_D) tile.
+
+    With USE_TMA, ``src`` is a 4-D tensor descriptor over the whole (b, s, h, d) tensor
+    (block (1, len(rows), 1, BLOCK_D)) and the copy engine zero-fills rows and columns
+    out of range; otherwise ``src`` points at this (batch, head)'s row 0.
+    """
+    if USE_TMA:
+        tile = src.load([b, start, h, 0])
+        tile = tile.reshape(tile.shape[1], tile.shape[3])
+    else:
+        tile = load_tile(src, rows, offs_d, stride_row, n_rows, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+    return tile
+
+
+@triton.jit
+def store_rows(dst, tile, b, h, start, rows, offs_d, stride_row, n_rows,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """The inverse of :func:`load_rows`: rows and columns out of range are not written."""
+    if USE_TMA:
+        dst.store([b, start, h, 0], tile.reshape(1, tile.shape[0], 1, tile.shape[1]))
+    else:
+        store_tile(dst, tile, rows, offs_d, stride_row, n_rows, HEAD_DIM, BLOCK_D)

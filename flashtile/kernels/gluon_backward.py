@@ -1,0 +1,512 @@
+"""Hopper (sm90) attention backward in Gluon, FlashAttention-3 style.
+
+One CTA owns a key block of 2 x 64 keys of one (batch, kv head); each of its two consumer
+warpgroups owns 64 of those keys and keeps their K, V tiles resident in shared memory and their
+dK, dV accumulators in registers. The CTA walks every query block (of every query head of its
+GQA group) that can see the key block:
+  * a loader partition (1 warp) streams Q and dO tiles with TMA through a NUM_STAGES ring
+    ("ready": bytes landed, "empty": both warpgroups done with the slot);
+  * a consumer warpgroup works on transposed (keys x queries) tiles, so P and dS come out of the
+    wgmma accumulators already in the register-A layout of the dV and dK products:
+        S^T = K Q^T, dP^T = V dO^T                         (wgmma, shared x shared)
+        P^T = exp2(S^T * scale_log2 - lse_log2)
+        dV += P^T dO                                       (wgmma, P^T from registers)
+        dS^T = P^T (dP^T - delta)
+        dK += dS^T Q                                       (wgmma, dS^T from registers)
+    dS^T also goes to shared memory; once both warpgroups wrote their halves (mbarrier), each
+    computes its share of dQ = dS K (one half of head dim, or one half of the query rows) and
+    adds it to a float32 dQ accumulator in global memory with a TMA reduce-add
+    (cp.reduce.async.bulk.tensor), FA3's way. A small Triton kernel scales and casts that
+    accumulator into dq.
+Causal: a key block only visits the query blocks that see it; only those on the diagonal (or a
+ragged key block) pay for the mask. Rows past seqlen_q need no mask: TMA zero-fills Q, dO and
+lse loads as +inf, so their P is exactly 0; the reduce-add and the dK/dV stores clip.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .hopper import qkv_supported, tma_aligned
+from ..configs import GluonBwdConfig
+
+LOG2E = 1.4426950408889634
+
+# wgmma's M per warpgroup: each consumer warpgroup owns this many keys.
+KEYS_PER_CONSUMER = 64
+NUM_CONSUMERS = 2
+BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS
+# The same, visible inside the kernels.
+_KPC = gl.constexpr(KEYS_PER_CONSUMER)
+_NC = gl.constexpr(NUM_CONSUMERS)
+_BN = gl.constexpr(BLOCK_N)
+
+
+# The tuned choice per head dim is in flashtile/configs.py (BWD_GLUON). d256 is not handled:
+# dK and dV alone would need 256 registers per thread of a warpgroup.
+HEAD_DIMS = (64, 128)
+
+# Alternatives the probe (bench/gluon_bwd_probe.py) times against the defaults.
+CANDIDATES = {
+    # d64 with 3 stages needs 232960 bytes of shared memory (> 232448): not a candidate.
+    64: {
+        "m128_s2": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24),
+    },
+    128: {
+        "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
+        "m64_s3": GluonBwdConfig(64, 3, 240, 24),
+    },
+}
+
+_TORCH_TO_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Element-wise global[box at coord] += shared src, by TMA (cp.reduce.async.bulk.tensor).
+    Part of the bulk async group: tma.store_wait covers it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
+
+
+# ----------------------------------------------------------------------------------------------
+# Query-block bookkeeping shared by the loader and the consumers (they must agree exactly).
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """(m_lo, m_full, m_tail, m_end): query blocks [m_lo, m_full) and [m_tail, m_end) need the
+    mask, [m_full, m_tail) do not."""
+    m_end = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        # Query i sees key j iff j <= i + diag: the block's first key is seen from row start_n - diag,
+        # all its keys from row start_n + BLOCK_N - 1 - diag on.
+        m_lo = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, m_end)
+        m_full = gl.minimum(gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M), m_end)
+    else:
+        m_lo = 0
+        m_full = 0
+    if start_n + BLOCK_N > seqlen_k:
+        # Ragged key block: keys past seqlen_k (zero-filled K) must not get probability mass.
+        m_full = m_end
+    # A ragged last query block is masked too: its lse / delta boxes run into the next head's rows.
+    m_tail = gl.maximum(m_full, seqlen_q // BLOCK_M)
+    return m_lo, m_full, m_tail, m_end
+
+
+# ----------------------------------------------------------------------------------------------
+# Loader partition: K, V once, then the Q/dO ring.
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+            lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
+            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    start_n = gl.program_id(0) * _BN
+    kv_head = gl.program_id(1)
+    batch = gl.program_id(2)
+
+    mbarrier.expect(kv_ready, 2 * _NC * kv_desc_k.block_type.nbytes)
+    for c in gl.static_range(_NC):
+        tma.async_copy_global_to_shared(kv_desc_k, [batch, start_n + c * _KPC, kv_head, 0], kv_ready,
+                                        k_smem.index(c))
+        tma.async_copy_global_to_shared(kv_desc_v, [batch, start_n + c * _KPC, kv_head, 0], kv_ready,
+                                        v_smem.index(c))
+
+    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL)
+    it = 0
+    for g in range(head_group):
+        head = kv_head * head_group + g
+        row_base = (batch * nheads + head) * seqlen_q  # lse / delta: flat contiguous (b, h, sq)
+        for m in range(m_lo, m_end):
+            slot = it % NUM_STAGES
+            # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
+            mbarrier.wait(q_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, m * BLOCK_M, head, 0], q_ready.index(slot),
+                                            q_smem.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [batch, m * BLOCK_M, head, 0], q_ready.index(slot),
+                                            do_smem.index(slot))
+            tma.async_copy_global_to_shared(lse_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
+                                            lse_smem.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
+                                            delta_smem.index(slot))
+            it += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumer partition: one warpgroup, 64 keys.
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _query_blocks(it, dk, dv, m_start, m_stop, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+                  v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
+                  seqlen_q, seqlen_k, qk_scale_log2,
+                  CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
+                  s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr):
+    """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, reduce-add dQ."""
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    DQ_N: gl.constexpr = dq_smem.shape[4]
+    dtype: gl.constexpr = k_smem.dtype
+    diag = seqlen_k - seqlen_q
+    k_mine = k_smem.index(CONSUMER).reshape([_KPC, HEAD_DIM])
+    v_mine = v_smem.index(CONSUMER).reshape([_KPC, HEAD_DIM])
+    dq_stage = dq_smem.index(CONSUMER)
+    keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    for m in range(m_start, m_stop):
+        slot = it % NUM_STAGES
+        buf = it % 2
+        start_m = m * BLOCK_M
+        mbarrier.wait(q_ready.index(slot), (it // NUM_STAGES) & 1)
+        q_buf = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_buf = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        s_tok = warpgroup_mma(k_mine, q_buf.permute([1, 0]),
+                              gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+        # dP^T - delta straight out of the wgmma: its accumulator starts at -delta (broadcast
+        # over keys), so delta is not live while dS^T is formed.
+        delta = delta_smem.index(slot).load(col_layout)
+        dp_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
+        dp_tok = warpgroup_mma(v_mine, do_buf.permute([1, 0]), dp_init, is_async=True)
+
+        # P^T while dP^T is still in flight.
+        s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_mine, q_buf])
+        # lse is read from shared memory just before use (one value per accumulator column a
+        # thread holds), so it is not live across the wgmmas.
+        lse = lse_smem.index(slot).load(col_layout)
+        x = s * qk_scale_log2 - gl.expand_dims(lse, 0)
+        if MASK:
+            cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(cols < seqlen_q, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + diag, 0))
+            x = gl.where(keep, x, float("-inf"))
+        p = gl.exp2(x)
+        # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in
+        # float32 dies before the dV/dK operands are materialised).
+        dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_mine, do_buf])
+        ds = (p * dp_minus_delta).to(dtype)
+        p_op = gl.convert_layout(p.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+        ds_op = gl.convert_layout(ds, a_layout)
+        dk_tok = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
+
+        # Publish this warpgroup's dS^T rows; dQ needs both halves.
+        ds_phase = (it // 2) & 1
+        mbarrier.wait(ds_free.index(buf), ds_phase ^ 1)
+        ds_smem.index(buf * _NC + CONSUMER).store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(buf))
+        mbarrier.wait(ds_ready.index(buf), ds_phase)
+
+        dq_tok = gl.zeros([_KPC, DQ_N], gl.float32, dq_layout)
+        for c in gl.static_range(_NC):
+            ds_c = ds_smem.index(buf * _NC + c).permute([1, 0])           # [BLOCK_M, 64 keys]
+            k_c = k_smem.index(c).reshape([_KPC, HEAD_DIM])  # [64 keys, HEAD_DIM]
+            if DQ_SPLIT_M:
+                ds_c = ds_c.slice(CONSUMER * _KPC, _KPC, dim=0)
+            else:
+                k_c = k_c.slice(CONSUMER * DQ_N, DQ_N, dim=1)
+            dq_tok = warpgroup_mma(ds_c, k_c, dq_tok, use_acc=c > 0, is_async=True)
+
+        # dV, dK retired: the Q/dO slot is free.
+        dv, dk, _, _, _, _ = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok, p_op, ds_op, q_buf, do_buf])
+        mbarrier.arrive(q_empty.index(slot))
+        # The previous reduce-add must have read the staging buffer before it is overwritten.
+        tma.store_wait(0)
+        gl.thread_barrier()
+        dq, _ = warpgroup_mma_wait(0, deps=[dq_tok, ds_smem])
+        mbarrier.arrive(ds_free.index(buf))
+        dq_stage.reshape([_KPC, DQ_N]).store(dq)
+        fence_async_shared()
+        if DQ_SPLIT_M:
+            _tma_reduce_add(dq_desc, [batch, start_m + CONSUMER * _KPC, head, 0], dq_stage)
+        else:
+            _tma_reduce_add(dq_desc, [batch, start_m, head, CONSUMER * DQ_N], dq_stage)
+        it += 1
+    return it, dk, dv
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+              ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+              seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    DQ_N: gl.constexpr = dq_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    # P^T, dS^T feed wgmma as register A operands; with matching M tiling this layout is the
+    # S^T accumulator layout, so the conversion moves no data.
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    start_n = gl.program_id(0) * _BN
+    kv_head = gl.program_id(1)
+    batch = gl.program_id(2)
+    key0 = start_n + CONSUMER * _KPC
+    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL)
+
+    dk = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_ready, 0)
+    it = 0
+    for g in range(head_group):
+        head = kv_head * head_group + g
+        it, dk, dv = _query_blocks(
+            it, dk, dv, m_lo, m_full, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
+            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+            s_layout, a_layout, dq_layout)
+        it, dk, dv = _query_blocks(
+            it, dk, dv, m_full, m_tail, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
+            CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
+            s_layout, a_layout, dq_layout)
+        it, dk, dv = _query_blocks(
+            it, dk, dv, m_tail, m_end, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
+            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+            s_layout, a_layout, dq_layout)
+
+    # The other warpgroup's dQ wgmmas read our K tile: wait until both are done, then stage
+    # dK, dV in the K, V tiles and store them with TMA (rows past seqlen_k are clipped).
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    k_stage = k_smem.index(CONSUMER)
+    v_stage = v_smem.index(CONSUMER)
+    k_stage.reshape([_KPC, HEAD_DIM]).store((dk * softmax_scale).to(k_smem.dtype))
+    v_stage.reshape([_KPC, HEAD_DIM]).store(dv.to(v_smem.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, key0, kv_head, 0], k_stage)
+    tma.async_copy_shared_to_global(dv_desc, [batch, key0, kv_head, 0], v_stage)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+               q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+    _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+              ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+              seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+              0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)
+
+
+@gluon.jit
+def _consumer1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+               q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+    _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+              ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+              seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+              1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group"])
+def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+                          seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [_NC] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [_NC] + v_desc.block_type.shape, v_desc.layout)
+    # dS^T, double-buffered so one warpgroup can run ahead by an iteration:
+    # [buf * _NC + consumer, key, query].
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KPC, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * _NC, _KPC, BLOCK_M], ds_layout)
+    # dQ share of each warpgroup, staged for the TMA reduce-add.
+    dq_smem = gl.allocate_shared_memory(gl.float32, [_NC] + dq_desc.block_type.shape, dq_desc.layout)
+
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(done, count=_NC)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=_NC)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=_NC)
+        mbarrier.init(ds_free.index(i), count=_NC)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer0, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                      BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)),
+        (_consumer1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                      BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                   lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
+                   BLOCK_M, NUM_STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+@triton.jit
+def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seqlen_q, nheads, scale,
+                                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """dq (strided (b, sq, h, d) view) <- scale * acc (contiguous float32 (b, sq, h, d))."""
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (rows < seqlen_q)[:, None]
+    acc_rows = ((b * seqlen_q + rows).to(tl.int64) * nheads + h) * HEAD_DIM
+    acc = tl.load(Acc + acc_rows[:, None] + offs_d[None, :], mask=ok, other=0.0)
+    dq_ptrs = (DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+               + rows.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :])
+    tl.store(dq_ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+def supported(q, k, v, causal) -> bool:
+    """Whether this kernel takes these tensors (see hopper.qkv_supported)."""
+    # Measured on the H200: seqlen_q not a multiple of 4 (lse / delta rows not 16-byte
+    # aligned in the flat 1-D boxes) fails with an illegal instruction; those go to Triton.
+    return q.shape[1] % 4 == 0 and qkv_supported(q, k, v, HEAD_DIMS)
+
+
+def grads_supported(dout, dq, dk, dv) -> bool:
+    """Whether dout, dk, dv are TMA-addressable (16-byte strides and bases); dq is written by a
+    plain kernel and may be any view. The launcher copies through a contiguous buffer otherwise."""
+    return all(tma_aligned(t) for t in (dout, dk, dv))
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int = None) -> TensorDescriptor:
+    """4-D TMA descriptor over a (b, s, h, d) view, one (1, rows, 1, cols) box per copy."""
+    block = [1, rows, 1, cols or t.shape[-1]]
+    gdtype = gl.float32 if t.dtype == torch.float32 else _TORCH_TO_GL[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """1-D TMA descriptor over a contiguous float32 array, unswizzled boxes of `rows` values."""
+    flat = t.view(-1)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [rows], layout)
+
+
+def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale: float, causal: bool,
+                             config: GluonBwdConfig) -> None:
+    """dq, dk, dv <- gradients of softmax(q k^T * softmax_scale) v (written in place; they may be
+    strided views). q, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d); lse_log2, delta:
+    contiguous float32 (b, h, sq) from attn_bwd_preprocess_kernel. See supported()."""
+    make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config)()
+
+
+def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config):
+    """A zero-argument launch with the TMA descriptors and the dQ accumulator built once (timing
+    without host overhead). Each launch zeroes the accumulator, runs the kernel and the convert;
+    it returns the compiled Gluon kernel (the probe reads its register/spill counts)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    cfg = config
+    assert lse_log2.is_contiguous() and delta.is_contiguous()
+    assert lse_log2.dtype == torch.float32 and delta.dtype == torch.float32
+
+    if batch == 0 or nheads == 0:
+        return lambda: None
+    if seqlen_q == 0 or seqlen_k == 0:
+        def trivial():
+            # No query attends (keys get no gradient) or no key exists (queries get none).
+            dk.zero_()
+            dv.zero_()
+            dq.zero_()
+        return trivial
+
+    # TMA coordinates are int32; lse / delta rows are addressed flat.
+    assert batch * nheads * seqlen_q < 2**31 and batch * seqlen_k < 2**31
+    if not tma_aligned(dout):
+        dout = dout.contiguous()
+    # dK / dV views TMA cannot address (rare): write a contiguous buffer, copy back after.
+    dk_out, dv_out = dk, dv
+    if not tma_aligned(dk):
+        dk = torch.empty(dk.shape, device=dk.device, dtype=dk.dtype)
+    if not tma_aligned(dv):
+        dv = torch.empty(dv.shape, device=dv.device, dtype=dv.dtype)
+    dq_acc = torch.empty((batch, seqlen_q, nheads, head_dim), device=q.device, dtype=torch.float32)
+    dq_cols = head_dim if cfg.dq_split_m else head_dim // NUM_CONSUMERS
+    q_desc = _descriptor(q, cfg.block_m)
+    do_desc = _descriptor(dout, cfg.block_m)
+    k_desc = _descriptor(k, KEYS_PER_CONSUMER)
+    v_desc = _descriptor(v, KEYS_PER_CONSUMER)
+    dk_desc = _descriptor(dk, KEYS_PER_CONSUMER)
+    dv_desc = _descriptor(dv, KEYS_PER_CONSUMER)
+    dq_desc = _descriptor(dq_acc, KEYS_PER_CONSUMER, dq_cols)
+    # lse / delta: 1-D boxes over the flat arrays (no 16-byte row-stride condition on seqlen_q).
+    lse_desc = _row_descriptor(lse_log2, cfg.block_m)
+    delta_desc = _row_descriptor(delta, cfg.block_m)
+    # K/V staging doubles as the dK/dV store source: same box, same layout.
+    assert k_desc.layout == dk_desc.layout and v_desc.layout == dv_desc.layout
+
+    # Key blocks of one head are adjacent in launch order: concurrent CTAs stream the same query
+    # blocks (shared in L2) and reduce into the same dQ rows (L2-resident).
+    grid = (triton.cdiv(seqlen_k, BLOCK_N), nheads_k, batch)
+    convert_block = 32
+    convert_grid = (triton.cdiv(seqlen_q, convert_block), nheads, batch)
+
+    def launch():
+        dq_acc.zero_()
+        kernel = gluon_attn_bwd_kernel[grid](
+            q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+            seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, softmax_scale,
+            BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
+            LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), DQ_SPLIT_M=cfg.dq_split_m,
+            num_warps=4,
+        )
+        gluon_bwd_dq_convert_kernel[convert_grid](
+            dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale,
+            HEAD_DIM=head_dim, BLOCK_S=convert_block, num_warps=4,
+        )
+        if dk is not dk_out:
+            dk_out.copy_(dk)
+        if dv is not dv_out:
+            dv_out.copy_(dv)
+        return kernel
+    return launch

@@ -1,0 +1,441 @@
+"""Hopper (sm90) forward attention in Gluon, FlashAttention-3 style.
+
+One CTA owns a tile of NUM_CONSUMERS * 64 query rows of one (batch, head):
+  * a loader partition (1 warp) streams K and V tiles with TMA into a NUM_STAGES ring,
+    each slot guarded by a "ready" mbarrier (TMA bytes landed) and an "empty" mbarrier
+    (both consumer warpgroups finished reading it);
+  * each consumer partition is one warpgroup owning 64 query rows. It computes
+    S = Q K^T with wgmma from shared memory and O += P V with P kept in registers (wgmma
+    register A operand, no shared-memory round trip). The wgmmas are async: S_{j+1} = Q K_{j+1}^T
+    and O += P_j V_j are in flight while the softmax of block j+1 runs (FA3 intra-warpgroup
+    overlap). The two consumer warpgroups run independently, so one's softmax naturally
+    overlaps the other's wgmmas.
+Only the key blocks that can hold masked entries (the causal diagonal, the ragged end at sk)
+pay for the mask; causal blocks wholly above the diagonal are never loaded.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .hopper import qkv_supported
+from ..configs import GluonFwdConfig
+
+LOG2E = 1.4426950408889634
+
+# wgmma's M per warpgroup; each consumer warpgroup owns this many query rows.
+ROWS_PER_CONSUMER = 64
+
+# The tuned choice per (head dim, causal, seqlen) is in flashtile/configs.py (FWD_GLUON).
+HEAD_DIMS = (64, 128, 256)
+
+# Alternatives the probe (bench/gluon_fwd_probe.py) times against the defaults; all compile for
+# sm90 without spills.
+CANDIDATES = {
+    64: {
+        "c2_n128_s3": GluonFwdConfig(128, 3, 2, 240, 40, False),
+        "c2_n128_s3_pp": GluonFwdConfig(128, 3, 2, 240, 40, True),
+        "c3_n128_s2": GluonFwdConfig(128, 2, 3, 160, 24, False),
+        "c3_n128_s2_pp": GluonFwdConfig(128, 2, 3, 160, 24, True),
+    },
+    128: {
+        "c2_n128_s2": GluonFwdConfig(128, 2, 2, 240, 40, False),
+        "c2_n128_s2_pp": GluonFwdConfig(128, 2, 2, 240, 40, True),
+        "c2_n128_s3": GluonFwdConfig(128, 3, 2, 240, 40, False),
+        "c2_n128_s3_pp": GluonFwdConfig(128, 3, 2, 240, 40, True),
+        "c2_n64_s4": GluonFwdConfig(64, 4, 2, 240, 40, False),
+    },
+    256: {
+        "c2_n64_s2": GluonFwdConfig(64, 2, 2, 240, 40, False),
+        "c2_n64_s2_pp": GluonFwdConfig(64, 2, 2, 240, 40, True),
+    },
+}
+
+_TORCH_TO_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+# ----------------------------------------------------------------------------------------------
+# Key-block bookkeeping shared by the loader and the consumers (they must agree exactly).
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+    """(n_unmasked, n_total): blocks [0, n_unmasked) need no mask, [n_unmasked, n_total) do."""
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        # Last key any row of the tile sees is start_m + BLOCK_M - 1 + diag.
+        visible_end = gl.minimum(gl.maximum(start_m + BLOCK_M + diag, 0), seqlen_k)
+        n_total = gl.cdiv(visible_end, BLOCK_N)
+        # A block is mask-free when its last key is visible to the tile's first row.
+        n_unmasked = gl.minimum(gl.maximum(start_m + diag + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+    else:
+        n_total = gl.cdiv(seqlen_k, BLOCK_N)
+        n_unmasked = seqlen_k // BLOCK_N
+    return n_unmasked, n_total
+
+
+@gluon.jit
+def _tile_coords(seqlen_q, nheads, head_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(start_m, head, kv head, batch) of this CTA. Causal: longest rows launch first."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    head = gl.program_id(1)
+    batch = gl.program_id(2)
+    return pid_m * BLOCK_M, head, head // head_group, batch
+
+
+# ----------------------------------------------------------------------------------------------
+# Loader partition: Q once, then the K/V ring.
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+            seqlen_q, seqlen_k, nheads, head_group,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    start_m, head, kv_head, batch = _tile_coords(seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
+    n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, start_m + c * 64, head, 0], q_ready.index(c),
+                                        q_smem.index(c))
+
+    for j in range(n_total):
+        stage = j % NUM_STAGES
+        # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
+        empty_phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), empty_phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, kv_head, 0], k_ready.index(stage),
+                                        k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), empty_phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
+                                        v_smem.index(stage))
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumer partition: one warpgroup, 64 query rows.
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
+                   BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                   SCALE_POSITIVE: gl.constexpr, s_layout: gl.constexpr):
+    """Online-softmax update for one score block. Returns (p, alpha, m_new, l_new); m is in
+    scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2."""
+    if MASK:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < seqlen_k, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag, 1))
+        s = gl.where(keep, s, float("-inf"))
+    if SCALE_POSITIVE:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s * qk_scale_log2, axis=1))
+    if MASK:
+        # A row with every key masked so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _pipelined_blocks(q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
+                      acc, p_op, m_i, l_i, j_start, j_end, rows, seqlen_k, diag, qk_scale_log2,
+                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                      CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+                      s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, run the
+    softmax of S_j while the PV wgmma is in flight."""
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    for j in range(j_start, j_end):
+        stage = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        prev = (j - 1) % NUM_STAGES
+        prev_phase = ((j - 1) // NUM_STAGES) & 1
+
+        mbarrier.wait(k_ready.index(stage), phase)
+        mbarrier.wait(v_ready.index(prev), prev_phase)
+        k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
+        v_prev = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        if PINGPONG:
+            # Issue point number j of this warpgroup (the prologue was number 0).
+            mbarrier.wait(my_turn, j & 1)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+
+        # wgmma groups retire in order: one outstanding means S_j is done, PV may still run.
+        s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, q_op, k_t])
+        mbarrier.arrive(k_empty.index(stage))
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2,
+                                            BLOCK_N, MASK, CAUSAL, SCALE_POSITIVE, s_layout)
+        acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_prev])
+        mbarrier.arrive(v_empty.index(prev))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    return acc, p_op, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    # P feeds wgmma as a register A operand; with matching M tiling this layout is the S
+    # accumulator layout, so the conversion moves no data.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    start_m, head, kv_head, batch = _tile_coords(seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
+    n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    my_start = start_m + CONSUMER * 64
+    rows = my_start + gl.arange(0, 64, layout=row_layout)
+    diag = seqlen_k - seqlen_q
+
+    # Ping-pong: consumer warpgroups take turns (round robin) issuing their wgmmas, so one's
+    # softmax runs while another's GEMMs own the tensor cores.
+    my_turn = turn.index(CONSUMER)
+    other_turn = turn.index((CONSUMER + 1) % (BLOCK_M // 64))
+    q_buf = q_smem.index(CONSUMER)
+    q_op = q_buf.reshape([64, HEAD_DIM])
+    mbarrier.wait(q_ready.index(CONSUMER), 0)
+
+    m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([64], gl.float32, row_layout)
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+
+    if n_total > 0:
+        # Block 0 alone: S_0, softmax, nothing to overlap yet. Masked unconditionally (once).
+        mbarrier.wait(k_ready.index(0), 0)
+        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
+        if PINGPONG:
+            mbarrier.wait(my_turn, 0)
+        s_tok = warpgroup_mma(q_op, k_t, gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                              is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
+        mbarrier.arrive(k_empty.index(0))
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2,
+                                            BLOCK_N, True, CAUSAL, SCALE_POSITIVE, s_layout)
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+
+        # Mask-free blocks, then the blocks on the diagonal / ragged end.
+        split = gl.maximum(n_unmasked, 1)
+        acc, p_op, m_i, l_i = _pipelined_blocks(
+            q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
+            1, split, rows, seqlen_k, diag, qk_scale_log2,
+            BLOCK_N, NUM_STAGES, False, CAUSAL, SCALE_POSITIVE, PINGPONG, s_layout, p_layout)
+        acc, p_op, m_i, l_i = _pipelined_blocks(
+            q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
+            split, n_total, rows, seqlen_k, diag, qk_scale_log2,
+            BLOCK_N, NUM_STAGES, True, CAUSAL, SCALE_POSITIVE, PINGPONG, s_layout, p_layout)
+
+        # Drain: O += P_last V_last.
+        last = n_total - 1
+        stage = last % NUM_STAGES
+        mbarrier.wait(v_ready.index(stage), (last // NUM_STAGES) & 1)
+        v_last = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+        if PINGPONG:
+            mbarrier.wait(my_turn, n_total & 1)
+        o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_last])
+        mbarrier.arrive(v_empty.index(stage))
+
+    # A row that saw no key (l = 0) outputs zeros and lse = -inf.
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # * ln 2
+    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+    out = (acc * gl.expand_dims(inv_l, 1)).to(q_smem.dtype)
+
+    lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
+    gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+
+    # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which clips
+    # rows past seqlen_q.
+    q_op.store(out)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], q_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+               stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)
+
+
+@gluon.jit
+def _consumer1(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+               stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)
+
+
+@gluon.jit
+def _consumer2(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+               stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+# Sizes and strides stay runtime values: specializing them (== 1, % 16) would only multiply
+# compilations.
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group"])
+def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h,
+                          seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                          PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # Every consumer warpgroup releases each slot once.
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0))  # consumer 0 issues first
+
+    # Argument tuples are written inline: a tuple bound to a variable would turn the
+    # constexprs into runtime scalars.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+            (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                       seqlen_q, seqlen_k, nheads, head_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+            (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+            (_consumer2, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                       seqlen_q, seqlen_k, nheads, head_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+def supported(q, k, v, causal) -> bool:
+    """Whether this kernel takes these tensors (see hopper.qkv_supported)."""
+    return qkv_supported(q, k, v, HEAD_DIMS)
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """4-D TMA descriptor over a (b, s, h, d) view, one (1, rows, 1, d) box per copy."""
+    block = [1, rows, 1, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _TORCH_TO_GL[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: bool,
+                            config: GluonFwdConfig) -> None:
+    """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
+    q, out: (b, sq, h, d); k, v: (b, sk, hk, d); lse: (b, h, sq) float32. See supported()."""
+    _launch(q, k, v, out, lse, softmax_scale, causal, config)
+
+
+def _launch(q, k, v, out, lse, softmax_scale, causal, config):
+    """Launches and returns the compiled kernel (the probe reads its register/spill counts)."""
+    return make_launcher(q, k, v, out, lse, softmax_scale, causal, config)()
+
+
+def make_launcher(q, k, v, out, lse, softmax_scale, causal, config):
+    """A zero-argument launch with the TMA descriptors built once (timing without host overhead)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    cfg = config
+    assert lse.stride(-1) == 1 and out.stride(-1) == 1
+    assert not cfg.pingpong or cfg.num_consumers >= 2
+
+    q_desc = _descriptor(q, ROWS_PER_CONSUMER)
+    o_desc = _descriptor(out, ROWS_PER_CONSUMER)
+    k_desc = _descriptor(k, cfg.block_n)
+    v_desc = _descriptor(v, cfg.block_n)
+    # Query blocks of one head are adjacent in launch order so they share K/V in L2.
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
+
+    def launch():
+        return gluon_attn_fwd_kernel[grid](
+            q_desc, k_desc, v_desc, o_desc, lse, lse.stride(0), lse.stride(1),
+            seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
+            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
+            CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
+            CAUSAL=bool(causal), SCALE_POSITIVE=softmax_scale > 0,
+            num_warps=4,
+        )
+    return launch
