@@ -99,14 +99,15 @@ def test_backward_is_deterministic(nheads_k):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
 
 
-def test_empty_sizes():
-    q, k, v = make_qkv(2, 0, 10, 2, 2, 32, torch.float16)
+@pytest.mark.parametrize("head_dim", [32, 128])  # 128: a head dim the Hopper kernels take
+def test_empty_sizes(head_dim):
+    q, k, v = make_qkv(2, 0, 16, 2, 2, head_dim, torch.float16)
     out = flash_attn_func(q, k, v)
-    assert out.shape == (2, 0, 2, 32)
+    assert out.shape == (2, 0, 2, head_dim)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert torch.all(dk == 0) and torch.all(dv == 0)
     # No keys at all: zeros out, lse -inf, zero dq.
-    q, k, v = make_qkv(2, 10, 0, 2, 2, 32, torch.float16)
+    q, k, v = make_qkv(2, 16, 0, 2, 2, head_dim, torch.float16)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
     (dq,) = torch.autograd.grad(out, (q,), torch.randn_like(out))

@@ -1,14 +1,18 @@
-"""Host-side facts the Hopper (sm90) Gluon kernels share: which tensors they can take."""
+"""Host-side facts about the sm90 copy engine (TMA) that the kernels share: which tensors
+tensor descriptors can address, and which the Hopper Gluon kernels take."""
 
 import torch
+
+from ..runtime import device_capability
 
 FLOAT16_TYPES = (torch.bfloat16, torch.float16)
 
 
 def tma_aligned(t: torch.Tensor) -> bool:
-    """The copy engine needs a 16-byte aligned base, 16-byte strides and a unit last stride."""
+    """Whether a tensor descriptor can cover ``t``: no empty dim, a 16-byte aligned base,
+    16-byte strides and a unit last stride."""
     size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all((stride * size) % 16 == 0 for stride in t.stride()[:-1]))
 
 
@@ -17,7 +21,7 @@ def qkv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: 
     consistent GQA shapes and TMA-aligned layouts."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return False
     if q.dtype not in FLOAT16_TYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False

@@ -18,6 +18,7 @@ from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, Config, get_
 from ..runtime import arch_of, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .forward import attn_fwd_kernel
+from .hopper import tma_aligned
 from .probs import attn_probs_kernel
 
 _LOG2E = math.log2(math.e)
@@ -46,10 +47,16 @@ class ScoreParams:
         return self.window_left < 0 and self.window_right == 0
 
     @property
+    def scaled_dot_products(self) -> bool:
+        """Scores are q.k times a positive scale (no softcap, no ALiBi), so the scale can
+        be folded into exp2's multiply-add after the row max."""
+        return self.softcap == 0.0 and self.alibi_slopes is None and self.softmax_scale > 0
+
+    @property
     def plain(self) -> bool:
-        """Scaled dot products with at most a causal mask: what the Hopper kernels handle."""
-        return (self.softcap == 0.0 and self.alibi_slopes is None and self.dropout_p == 0.0
-                and self.window_left < 0 and self.window_right in (-1, 0) and self.softmax_scale > 0)
+        """Scaled dot products with at most a causal mask, no dropout: what the Hopper kernels handle."""
+        return (self.scaled_dot_products and self.dropout_p == 0.0
+                and self.window_left < 0 and self.window_right in (-1, 0))
 
     def kernel_args(self, dtype: torch.dtype) -> dict:
         """Keyword arguments every attention kernel takes."""
@@ -92,24 +99,9 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
 
 
-def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """Whether the copy engine can move tiles of these (b, s, h, d) tensors: 16-byte
-    aligned base and strides, unit last stride, no empty dim."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or t.stride(-1) != 1 or min(t.shape) == 0:
-            return False
-        if any((stride * size) % 16 for dim, stride in zip(t.shape[:-1], t.stride()[:-1]) if dim > 1):
-            return False
-    return True
-
-
 def row_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
     """A tensor descriptor over (b, s, h, d) whose tiles are block_rows rows of one (batch, head)."""
-    # A size-1 dim's stride is never used; give it a valid (aligned) value.
-    strides = [stride if dim > 1 else t.shape[-1] * 16 for dim, stride in zip(t.shape, t.stride())]
-    strides[-1] = 1
-    return TensorDescriptor(t, list(t.shape), strides, [1, block_rows, 1, block_d])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, block_d])
 
 
 def gluon_config(kernel: str, q, k, v, params: ScoreParams) -> Optional[Config]:
@@ -150,7 +142,7 @@ def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg) -> None:
     """The portable forward with an explicit config (the autotuner times several)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     block_d = padded_head_dim(head_dim)
-    use_tma = cfg.use_tma and tma_compatible(q, k, v, out)
+    use_tma = cfg.use_tma and all(tma_aligned(t) for t in (q, k, v, out))
     if use_tma:
         tiles = (row_descriptor(q, cfg.block_m, block_d), row_descriptor(k, cfg.block_n, block_d),
                  row_descriptor(v, cfg.block_n, block_d), row_descriptor(out, cfg.block_m, block_d))
@@ -162,8 +154,7 @@ def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg) -> None:
         *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out),
         lse.stride(0), lse.stride(1),
         **_shape_args(q, k), **params.kernel_args(q.dtype),
-        # Plain scaled scores fold the scale into exp2's multiply-add (needs scale > 0).
-        SCALE_IN_EXP2=(params.softcap == 0.0 and params.alibi_slopes is None and params.softmax_scale > 0),
+        SCALE_IN_EXP2=params.scaled_dot_products,
         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
     )
