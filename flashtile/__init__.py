@@ -1,6 +1,8 @@
 """flashtile: exact FlashAttention in Triton, behind the flash_attn API."""
 
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .padding import pad_input, unpad_input
+from .varlen import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
 
 __version__ = "0.1.0"
 
@@ -8,4 +10,9 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "pad_input",
+    "unpad_input",
 ]

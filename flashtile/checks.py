@@ -87,3 +87,77 @@ def check_options(*, dropout_p, softmax_scale, causal, window_size, softcap, ali
                              f"or ({batch}, {nheads}) (nheads,) or (batch, nheads)")
         if alibi_slopes.device != device:
             raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+
+
+def check_varlen_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:
+    """Packed layout: q (total_q, h, d), k and v (total_k, hk, d)."""
+    check_qkv_shapes(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+
+
+def _check_index_tensor(t, name: str, length: int, device: torch.device, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected int32 ({what})")
+    if t.dim() != 1 or t.shape[0] != length:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({length},) ({what})")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _check_length(value, name: str) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"{name} must be a Python int >= 0 (the longest sequence), got {value!r}")
+
+
+def check_varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       seqused_q=None, seqused_k=None, validate: bool = False) -> None:
+    """What can be checked without reading device memory: dtypes, shapes, devices, ints.
+
+    With ``validate`` (FLASHTILE_VALIDATE=1, or CPU tensors where it costs nothing) also the
+    contents: cu_seqlens start at 0, never decrease and end at the tensors' totals, every
+    length fits max_seqlen, and seqused stays within the reserved lengths. On CUDA that costs a
+    host synchronisation per call, so by default it is the caller's contract (as in flash_attn).
+    """
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        shape = tuple(cu_seqlens_q.shape) if isinstance(cu_seqlens_q, torch.Tensor) else type(cu_seqlens_q).__name__
+        raise ValueError(f"cu_seqlens_q must be a 1-D int32 tensor of batch + 1 prefix sums, got {shape}")
+    batch = cu_seqlens_q.shape[0] - 1
+    what = "cumulative sequence lengths, batch + 1 entries"
+    _check_index_tensor(cu_seqlens_q, "cu_seqlens_q", batch + 1, q.device, what)
+    _check_index_tensor(cu_seqlens_k, "cu_seqlens_k", batch + 1, q.device, what + ", like cu_seqlens_q")
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            _check_index_tensor(t, name, batch, q.device, "tokens used per sequence, batch entries")
+    _check_length(max_seqlen_q, "max_seqlen_q")
+    _check_length(max_seqlen_k, "max_seqlen_k")
+    if batch > MAX_GRID_DIM:
+        raise ValueError(f"cu_seqlens_q describes {batch} sequences; at most {MAX_GRID_DIM} are supported")
+    if validate:
+        _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+
+
+def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k):
+    for side, cu, total, max_len, used in (("q", cu_seqlens_q, q.shape[0], max_seqlen_q, seqused_q),
+                                          ("k", cu_seqlens_k, k.shape[0], max_seqlen_k, seqused_k)):
+        name = f"cu_seqlens_{side}"
+        cu = cu.cpu().long()
+        lengths = cu[1:] - cu[:-1]
+        if cu[0].item() != 0:
+            raise ValueError(f"{name} must start at 0, got {cu[0].item()}")
+        if (lengths < 0).any():
+            at = int((lengths < 0).nonzero()[0])
+            raise ValueError(f"{name} must not decrease: entry {at + 1} ({cu[at + 1].item()}) < entry {at} "
+                             f"({cu[at].item()})")
+        if cu[-1].item() != total:
+            raise ValueError(f"{name} ends at {cu[-1].item()} but {'q' if side == 'q' else 'k/v'} holds {total} "
+                             "tokens: the last entry must equal the packed total")
+        if lengths.numel() and lengths.max().item() > max_len:
+            raise ValueError(f"max_seqlen_{side} is {max_len} but a sequence in {name} has "
+                             f"{lengths.max().item()} tokens: it must be at least the longest")
+        if used is not None:
+            used = used.cpu().long()
+            if ((used < 0) | (used > lengths)).any():
+                at = int(((used < 0) | (used > lengths)).nonzero()[0])
+                raise ValueError(f"seqused_{side}[{at}] = {used[at].item()} is outside [0, {lengths[at].item()}], "
+                                 f"the length {name} reserves for sequence {at}")

@@ -1,9 +1,10 @@
-"""The public API, drop-in for flash_attn 2.x's dense entry points.
+"""The public API, drop-in for flash_attn 2.x's dense and varlen entry points.
 
 Each entry point checks its arguments, then goes through a ``torch.autograd.Function``
 whose forward and backward call the Triton launchers in :mod:`flashtile.kernels.launch`.
 Packed variants take views into the packed tensor and write their gradient straight
-into one packed gradient: no copies on either side.
+into one packed gradient: no copies on either side. Varlen entry points hand the same
+kernels (1, total, h, d) views of the packed tokens and a :class:`PackedSeqs`.
 """
 
 import math
@@ -13,13 +14,15 @@ import torch
 
 from . import checks
 from .runtime import empty, empty_like
-from .kernels.launch import ScoreParams, attention_backward, attention_forward, attention_probs
+from .kernels.launch import PackedSeqs, ScoreParams, attention_backward, attention_forward, attention_probs
 
 
 def _score_params(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, causal, window_size,
-                  softcap, alibi_slopes) -> ScoreParams:
-    """Check the options and fold them into the kernels' parameters (one place for all entry points)."""
-    batch, _, nheads, head_dim = q.shape
+                  softcap, alibi_slopes, batch: Optional[int] = None) -> ScoreParams:
+    """Check the options and fold them into the kernels' parameters (one place for all entry points).
+    q: (b, s, h, d); ``batch`` overrides b for packed batches."""
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    batch = q.shape[0] if batch is None else batch
     checks.check_options(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                          batch=batch, nheads=nheads, device=q.device)
@@ -44,12 +47,19 @@ def _score_params(q: torch.Tensor, k: torch.Tensor, dropout_p, softmax_scale, ca
     )
 
 
-def _forward(q, k, v, params: ScoreParams, return_probs: bool):
+def _forward(q, k, v, params: ScoreParams, return_probs: bool, seqs: Optional[PackedSeqs] = None):
+    """out (b, sq, h, d), lse (b, h, sq), probs or None. Packed batches: q, k, v are
+    (1, total, h, d) views and so are out, lse (1, h, total_q)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
-    lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
-    attention_forward(q, k, v, out, lse, params)
-    probs = attention_probs(q, k, lse, params, q.dtype) if return_probs else None
+    if seqs is not None and seqs.seqused_q is not None:
+        # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
+        out = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=q.dtype, device=q.device)
+        lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
+        lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    attention_forward(q, k, v, out, lse, params, seqs)
+    probs = attention_probs(q, k, lse, params, q.dtype, seqs) if return_probs else None
     return out, lse, probs
 
 
@@ -58,16 +68,21 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _save(ctx, q, k, v, out, lse, params: ScoreParams, deterministic: bool) -> None:
-    ctx.save_for_backward(q, k, v, out, lse, params.alibi_slopes, params.dropout_seed)
+def _save(ctx, q, k, v, out, lse, params: ScoreParams, deterministic: bool, seqs: Optional[PackedSeqs] = None) -> None:
+    seq_tensors = (None,) * 4 if seqs is None else (seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q,
+                                                    seqs.seqused_k)
+    ctx.save_for_backward(q, k, v, out, lse, params.alibi_slopes, params.dropout_seed, *seq_tensors)
     ctx.params = params
     ctx.deterministic = bool(deterministic)
+    ctx.max_seqlens = None if seqs is None else (seqs.max_seqlen_q, seqs.max_seqlen_k)
 
 
 def _saved(ctx):
-    q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+    """q, k, v, out, lse, params, seqs as the forward saw them."""
+    q, k, v, out, lse, alibi_slopes, dropout_seed, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
     params = ScoreParams(**{**ctx.params.__dict__, "alibi_slopes": alibi_slopes, "dropout_seed": dropout_seed})
-    return q, k, v, out, lse, params
+    seqs = None if ctx.max_seqlens is None else PackedSeqs(cu_q, cu_k, *ctx.max_seqlens, used_q, used_k)
+    return q, k, v, out, lse, params, seqs
 
 
 def _outputs(ctx, out, lse, probs, return_attn_probs: bool):
@@ -88,7 +103,7 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q, k, v, out, lse, params = _saved(ctx)
+        q, k, v, out, lse, params, _ = _saved(ctx)
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         attention_backward(q, k, v, out, _unit_last_stride(dout), lse, dq, dk, dv, params,
                            ctx.deterministic)
@@ -107,7 +122,7 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_):
-        qkv, _, _, out, lse, params = _saved(ctx)
+        qkv, _, _, out, lse, params, _ = _saved(ctx)
         dqkv = empty_like(qkv)
         attention_backward(*qkv.unbind(dim=2), out, _unit_last_stride(dout), lse, *dqkv.unbind(dim=2), params,
                            ctx.deterministic)
@@ -126,7 +141,7 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q, kv, _, out, lse, params = _saved(ctx)
+        q, kv, _, out, lse, params, _ = _saved(ctx)
         dq, dkv = empty_like(q), empty_like(kv)
         attention_backward(q, *kv.unbind(dim=2), out, _unit_last_stride(dout), lse, dq, *dkv.unbind(dim=2), params,
                            ctx.deterministic)

@@ -139,3 +139,38 @@ def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: 
         out[:, m0:m1] = (acc / l_safe[..., None]).transpose(1, 2)
         lse[:, :, m0:m1] = (m_i + torch.log(l_safe)).masked_fill(empty, float("-inf"))
     return out, lse
+
+
+def attention_varlen_naive(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
+                           alibi_slopes: Optional[torch.Tensor] = None, dropout_mask: Optional[torch.Tensor] = None,
+                           **options) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_naive` on each sequence of a packed batch, alone.
+
+    q (total_q, h, d), k/v (total_k, hk, d); cu_seqlens (batch + 1,); seqused (batch,) or None.
+    alibi_slopes (h,) or (batch, h); dropout_mask (batch, h, max_seqlen_q, max_seqlen_k).
+    Returns out (total_q, h, d) and lse (h, total_q); rows past seqused_q get 0 and -inf.
+    """
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    dtype = options.get("dtype", torch.float64) or q.dtype
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        reserved_q = cu_q[b + 1] - cu_q[b]
+        used_q = reserved_q if seqused_q is None else int(seqused_q[b])
+        used_k = cu_k[b + 1] - cu_k[b] if seqused_k is None else int(seqused_k[b])
+        q_b = q[cu_q[b]:cu_q[b] + used_q].unsqueeze(0)
+        k_b = k[cu_k[b]:cu_k[b] + used_k].unsqueeze(0)
+        v_b = v[cu_k[b]:cu_k[b] + used_k].unsqueeze(0)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+        mask = None if dropout_mask is None else dropout_mask[b:b + 1, :, :used_q, :used_k]
+        out_b, lse_b = attention_naive(q_b, k_b, v_b, alibi_slopes=slopes, dropout_mask=mask, **options)
+        outs.append(out_b[0])
+        lses.append(lse_b[0])
+        if used_q < reserved_q:
+            outs.append(out_b.new_zeros((reserved_q - used_q,) + tuple(out_b.shape[2:])))
+            lses.append(lse_b.new_full((lse_b.shape[1], reserved_q - used_q), float("-inf")))
+    if not outs:
+        return q.new_zeros(q.shape, dtype=dtype), q.new_zeros((q.shape[1], 0), dtype=torch.float32)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)

@@ -35,6 +35,12 @@ def portable_only() -> bool:
     return os.environ.get("FLASHTILE_PORTABLE", "0") not in ("", "0")
 
 
+def validate_enabled() -> bool:
+    """FLASHTILE_VALIDATE=1 also checks what only the device's memory holds (cu_seqlens
+    contents, max_seqlen): one host synchronisation per call, for debugging."""
+    return os.environ.get("FLASHTILE_VALIDATE", "0") not in ("", "0")
+
+
 def poison_outputs_enabled() -> bool:
     """FLASHTILE_POISON_OUTPUTS=1 fills output buffers with NaN before the kernels run,
     so that any element a kernel fails to write shows up in a test (the tests set it)."""

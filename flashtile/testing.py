@@ -34,7 +34,7 @@ def allowed_error(torch_error: float, dtype: torch.dtype, factor: float = 2.0) -
     return factor * torch_error + EPSILON[dtype]
 
 
-def reference_errors(q, k, v, out, dout=None, grads=None, dropout_mask=None,
+def reference_errors(q, k, v, out, dout=None, grads=None, dropout_mask=None, reference=attention_naive,
                      **options) -> Tuple[List[Tuple[str, float, float]], torch.Tensor]:
     """Compare a kernel's ``out`` (and, given ``dout`` and ``grads``, its dq, dk, dv) with
     the float64 reference.
@@ -42,14 +42,15 @@ def reference_errors(q, k, v, out, dout=None, grads=None, dropout_mask=None,
     Returns ``([(name, our_error, pytorch_error), ...], reference_lse)``, where pytorch_error
     is the error of the same computation done by PyTorch in the input dtype. ``options`` are
     the attention options (softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p);
-    ``dropout_mask`` is the kernel's own mask, applied to both references.
+    ``dropout_mask`` is the kernel's own mask, applied to both references. ``reference``:
+    attention_naive, or attention_varlen_naive with the batch layout bound (functools.partial).
     """
     backward = grads is not None
     # Separate leaves, so the float64 reference's gradients are not rounded to the input dtype.
     leaves64 = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
     leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    ref_out, ref_lse = attention_naive(*leaves64, dropout_mask=dropout_mask, dtype=torch.float64, **options)
-    same_out, _ = attention_naive(*leaves, dropout_mask=dropout_mask, dtype=None, **options)
+    ref_out, ref_lse = reference(*leaves64, dropout_mask=dropout_mask, dtype=torch.float64, **options)
+    same_out, _ = reference(*leaves, dropout_mask=dropout_mask, dtype=None, **options)
     errors = [("out", rel_error(out, ref_out), rel_error(same_out, ref_out))]
     if backward:
         ref_grads = torch.autograd.grad(ref_out, leaves64, dout.double())

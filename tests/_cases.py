@@ -3,6 +3,7 @@ not supported there: its tl.dot multiplies raw bits), larger and bf16 on the GPU
 
 import torch
 
+from flashtile.reference import attention_naive
 from flashtile.testing import check_errors, check_lse, reference_errors
 
 ON_GPU = torch.cuda.is_available()
@@ -31,12 +32,12 @@ def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, requi
     return q, k, v
 
 
-def check_against_reference(fn, q, k, v, *, backward=True, **options):
+def check_against_reference(fn, q, k, v, *, backward=True, reference=attention_naive, **options):
     """Run ``fn(q, k, v, return_attn_probs=True, **options)`` and check out, lse and
     (if ``backward``) dq, dk, dv against float64, with PyTorch's same-dtype error as the yardstick.
 
     With dropout, the reference applies the kernel's own mask, read off the sign of the
-    returned probabilities (dropped entries are negated)."""
+    returned probabilities (dropped entries are negated). ``reference``: see reference_errors."""
     out, lse, probs = fn(q, k, v, return_attn_probs=True, **options)
     dropout_mask = probs >= 0 if options.get("dropout_p", 0.0) > 0 else None
     ref_opts = {name: options[name] for name in ("softmax_scale", "causal", "window_size", "softcap",
@@ -48,6 +49,7 @@ def check_against_reference(fn, q, k, v, *, backward=True, **options):
         grads = torch.autograd.grad(out, (q, k, v), dout)
         for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
             assert g.shape == t.shape and g.dtype == q.dtype, f"{name}: shape {tuple(g.shape)}, dtype {g.dtype}"
-    errors, ref_lse = reference_errors(q, k, v, out, dout, grads, dropout_mask=dropout_mask, **ref_opts)
+    errors, ref_lse = reference_errors(q, k, v, out, dout, grads, dropout_mask=dropout_mask, reference=reference,
+                                       **ref_opts)
     check_errors(errors, q.dtype)
     check_lse(lse, ref_lse)

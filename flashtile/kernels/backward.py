@@ -11,9 +11,10 @@ result is bit-identical run to run.
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep
+from .dropout import dropout_keep, dropout_row_offset
 from .forward import load_alibi_slope_log2
 from .scores import LOG2E, band_block_range, mask_scores, scores_log2
+from .seqlens import sequence_bounds
 from .tile_io import load_tile, store_tile
 
 
@@ -23,24 +24,31 @@ def attn_bwd_preprocess_kernel(
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lse_b, stride_lse_h,
+    stride_delta_b, stride_delta_h,
+    CuSeqlensQ, SeqUsedQ,
     nheads, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
+    """Delta, LseLog2: float32 with (batch, head) strides stride_delta_*, rows contiguous;
+    laid out like lse (a row of a packed sequence starts at its q_start)."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
+    q_start, _, seqlen_q, _ = sequence_bounds(b, seqlen_q, 0, CuSeqlensQ, CuSeqlensQ, SeqUsedQ, None, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
+    o = load_tile(Out + b.to(tl.int64) * stride_ob + q_start * stride_os + h.to(tl.int64) * stride_oh,
                   rows, offs_d, stride_os, seqlen_q, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+    do = load_tile(DOut + b.to(tl.int64) * stride_dob + q_start * stride_dos + h.to(tl.int64) * stride_doh,
                    rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse = tl.load(Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + rows,
+    lse = tl.load(Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows,
                   mask=rows < seqlen_q, other=0.0)
     # A row with no key has lse = -inf; +inf makes its recomputed P exactly 0.
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    row_ids = (b * nheads + h).to(tl.int64) * seqlen_q + rows  # Delta, LseLog2: contiguous (b, h, sq)
+    row_ids = b.to(tl.int64) * stride_delta_b + h.to(tl.int64) * stride_delta_h + q_start + rows
     tl.store(Delta + row_ids, delta, mask=rows < seqlen_q)
     tl.store(LseLog2 + row_ids, lse_log2, mask=rows < seqlen_q)
 
@@ -49,7 +57,7 @@ def attn_bwd_preprocess_kernel(
 def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base, stride_qs, stride_dos,
                        row_start, row_end, cols, offs_m, offs_d,
                        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
-                       window_left, window_right, dropout_seed, dropout_row_offset, dropout_p,
+                       window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -79,7 +87,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
         p_t = tl.exp2(s_t - lse_log2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep_t = dropout_keep(dropout_seed, rows[None, :], cols[:, None], dropout_row_offset, seqlen_k,
+            keep_t = dropout_keep(dropout_seed, rows[None, :], cols[:, None], dropout_row, dropout_row_len,
                                   dropout_p)
             keep_scale = 1.0 / (1.0 - dropout_p)
             p_dropped_t = tl.where(keep_t, p_t * keep_scale, 0.0)
@@ -103,24 +111,33 @@ def attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_delta_b, stride_delta_h,
+    CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     h_kv = tl.program_id(1)
     b = tl.program_id(2)
+    dropout_row_len = seqlen_k
+    total_q = seqlen_q
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
+                                                           SeqUsedQ, SeqUsedK, IS_VARLEN)
+    if start_n >= seqlen_k:
+        return
     diag = seqlen_k - seqlen_q
 
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh,
+    k = load_tile(K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh,
                   cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh,
+    v = load_tile(V + b.to(tl.int64) * stride_vb + k_start * stride_vs + h_kv.to(tl.int64) * stride_vh,
                   cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -135,33 +152,34 @@ def attn_bwd_dkdv_kernel(
 
     for g in range(0, head_group):
         h = h_kv * head_group + g
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        row_offset = (b * nheads + h).to(tl.int64) * seqlen_q  # rows of (b, h) in LseLog2, Delta, dropout
+        q_base = Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh
+        do_base = DOut + b.to(tl.int64) * stride_dob + q_start * stride_dos + h.to(tl.int64) * stride_doh
+        row_offset = b.to(tl.int64) * stride_delta_b + h.to(tl.int64) * stride_delta_h + q_start  # LseLog2, Delta
+        dropout_row = dropout_row_offset(b, h, nheads, total_q, q_start)
         alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
             lo, full_lo, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
             full_lo, full_hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
             HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
             full_hi, hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION)
 
     dk = dk * softmax_scale
-    store_tile(DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh,
+    store_tile(DK + b.to(tl.int64) * stride_dkb + k_start * stride_dks + h_kv.to(tl.int64) * stride_dkh,
                dk.to(DK.dtype.element_ty), cols, offs_d, stride_dks, seqlen_k, HEAD_DIM, BLOCK_D)
-    store_tile(DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh,
+    store_tile(DV + b.to(tl.int64) * stride_dvb + k_start * stride_dvs + h_kv.to(tl.int64) * stride_dvh,
                dv.to(DV.dtype.element_ty), cols, offs_d, stride_dvs, seqlen_k, HEAD_DIM, BLOCK_D)
 
 
@@ -169,7 +187,7 @@ def attn_bwd_dkdv_kernel(
 def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs,
                    col_start, col_end, rows, offs_n, offs_d,
                    seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
-                   window_left, window_right, dropout_seed, dropout_row_offset, dropout_p,
+                   window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -188,7 +206,7 @@ def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride
         p = tl.exp2(s - lse_log2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row_offset, seqlen_k, dropout_p)
+            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -205,31 +223,41 @@ def attn_bwd_dq_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
+    stride_delta_b, stride_delta_h,
+    CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     softmax_scale, qk_scale, softcap_log2, window_left, window_right, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
     h_kv = h // head_group
+    dropout_row_len = seqlen_k
+    total_q = seqlen_q
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
+                                                           SeqUsedQ, SeqUsedK, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
     diag = seqlen_k - seqlen_q
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+    q = load_tile(Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh,
                   rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+    do = load_tile(DOut + b.to(tl.int64) * stride_dob + q_start * stride_dos + h.to(tl.int64) * stride_doh,
                    rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, True)
-    row_offset = (b * nheads + h).to(tl.int64) * seqlen_q
+    row_offset = b.to(tl.int64) * stride_delta_b + h.to(tl.int64) * stride_delta_h + q_start
     lse_log2 = tl.load(LseLog2 + row_offset + rows, mask=rows < seqlen_q, other=float("inf"))
     delta = tl.load(Delta + row_offset + rows, mask=rows < seqlen_q, other=0.0)
-    k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    dropout_row = dropout_row_offset(b, h, nheads, total_q, q_start)
+    k_base = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + k_start * stride_vs + h_kv.to(tl.int64) * stride_vh
     alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
     dropout_seed = 0
     if HAS_DROPOUT:
@@ -240,19 +268,19 @@ def attn_bwd_dq_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, lo, full_lo,
                         rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-                        alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+                        alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                         HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi,
                         rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-                        alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+                        alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                         HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                         HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_hi, hi,
                         rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-                        alibi_slope_log2, window_left, window_right, dropout_seed, row_offset, dropout_p,
+                        alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                         HAS_DROPOUT, DOT_PRECISION)
     dq = dq * softmax_scale
-    store_tile(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
+    store_tile(DQ + b.to(tl.int64) * stride_dqb + q_start * stride_dqs + h.to(tl.int64) * stride_dqh,
                dq.to(DQ.dtype.element_ty), rows, offs_d, stride_dqs, seqlen_q, HEAD_DIM, BLOCK_D)

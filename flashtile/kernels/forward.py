@@ -4,8 +4,9 @@
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep
+from .dropout import dropout_keep, dropout_row_offset
 from .scores import LN2, LOG2E, band_block_range, mask_scores, scores_log2
+from .seqlens import sequence_bounds
 from .tile_io import load_rows, store_rows
 
 
@@ -22,7 +23,7 @@ def load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI: tl.const
 def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs,
                     col_start, col_end, rows, offs_n, offs_d,
                     seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
-                    window_left, window_right, dropout_seed, dropout_row_offset, dropout_p,
+                    window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -58,7 +59,7 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_v
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             # lse is of the undropped scores; only the p @ v product sees the mask.
-            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row_offset, seqlen_k, dropout_p)
+            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = load_rows(v_src, b, h_kv, start_n, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D,
                       APPLY_MASK, USE_TMA)
@@ -75,19 +76,28 @@ def attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lse_b, stride_lse_h,
+    CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SCALE_IN_EXP2: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA."""
+    """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
+    Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals)."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
     h_kv = h // head_group  # GQA: consecutive query heads share a kv head
+    dropout_row_len = seqlen_k
+    total_q = seqlen_q
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
+                                                           SeqUsedQ, SeqUsedK, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return  # varlen: this query block is past its sequence's end (the grid fits the longest)
     diag = seqlen_k - seqlen_q
 
     if USE_TMA:
@@ -96,10 +106,10 @@ def attn_fwd_kernel(
         v_src = V
         o_dst = Out
     else:
-        q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-        v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
-        o_dst = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        q_src = Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh
+        k_src = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
+        v_src = V + b.to(tl.int64) * stride_vb + k_start * stride_vs + h_kv.to(tl.int64) * stride_vh
+        o_dst = Out + b.to(tl.int64) * stride_ob + q_start * stride_os + h.to(tl.int64) * stride_oh
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -110,7 +120,7 @@ def attn_fwd_kernel(
     dropout_seed = 0
     if HAS_DROPOUT:
         dropout_seed = tl.load(DropoutSeed)
-    dropout_row_offset = (b * nheads + h).to(tl.int64) * seqlen_q
+    dropout_row = dropout_row_offset(b, h, nheads, total_q, q_start)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -122,19 +132,19 @@ def attn_fwd_kernel(
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-        dropout_seed, dropout_row_offset, dropout_p,
+        dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-        dropout_seed, dropout_row_offset, dropout_p,
+        dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-        dropout_seed, dropout_row_offset, dropout_p,
+        dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
 
@@ -148,5 +158,5 @@ def attn_fwd_kernel(
 
     store_rows(o_dst, out.to(q.dtype), b, h, start_m, rows, offs_d, stride_os, seqlen_q,
                HEAD_DIM, BLOCK_D, USE_TMA)
-    lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + rows
+    lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows
     tl.store(lse_ptrs, lse, mask=rows < seqlen_q)

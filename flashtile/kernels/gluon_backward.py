@@ -115,7 +115,7 @@ def _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK
 
 @gluon.jit
 def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-            lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
+            lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
             BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     start_n = gl.program_id(0) * _BN
     kv_head = gl.program_id(1)
@@ -132,7 +132,8 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
     it = 0
     for g in range(head_group):
         head = kv_head * head_group + g
-        row_base = (batch * nheads + head) * seqlen_q  # lse / delta: flat contiguous (b, h, sq)
+        # lse / delta: (b, h, sq) rows lse_row_stride apart (a multiple of 4: 16-byte aligned boxes).
+        row_base = (batch * nheads + head) * lse_row_stride
         for m in range(m_lo, m_end):
             slot = it % NUM_STAGES
             # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
@@ -332,9 +333,9 @@ def _consumer1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, d
 # Kernels
 # ----------------------------------------------------------------------------------------------
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride"])
 def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                          seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                          seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
                           BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
@@ -380,7 +381,7 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                       BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
-                   BLOCK_M, NUM_STAGES, CAUSAL)),
+                   lse_row_stride, BLOCK_M, NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -406,9 +407,14 @@ def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seq
 
 def supported(q, k, v, causal) -> bool:
     """Whether this kernel takes these tensors (see hopper.qkv_supported)."""
-    # Measured on the H200: seqlen_q not a multiple of 4 (lse / delta rows not 16-byte
-    # aligned in the flat 1-D boxes) fails with an illegal instruction; those go to Triton.
-    return q.shape[1] % 4 == 0 and qkv_supported(q, k, v, HEAD_DIMS)
+    return qkv_supported(q, k, v, HEAD_DIMS)
+
+
+def padded_row_stride(seqlen_q: int) -> int:
+    """Row stride (in floats) of the lse_log2 / delta buffers this kernel reads: seqlen_q padded
+    to a multiple of 4. Unpadded rows (seqlen_q % 4 != 0) made the H200 stop with an illegal
+    instruction: a TMA box must start 16-byte aligned."""
+    return (seqlen_q + 3) // 4 * 4
 
 
 def grads_supported(dout, dq, dk, dv) -> bool:
@@ -426,8 +432,10 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int = None) -> TensorDescripto
 
 
 def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """1-D TMA descriptor over a contiguous float32 array, unswizzled boxes of `rows` values."""
-    flat = t.view(-1)
+    """1-D TMA descriptor over the float32 buffer under a (b, h, sq) view with unit row stride
+    and rows padded to a multiple of 4 (whole buffer: h * row stride per batch entry);
+    unswizzled boxes of `rows` values."""
+    flat = t.as_strided((t.shape[0] * t.stride(0),), (1,))
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     return TensorDescriptor(flat, [flat.numel()], [1], [rows], layout)
 
@@ -436,7 +444,8 @@ def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax
                              config: GluonBwdConfig) -> None:
     """dq, dk, dv <- gradients of softmax(q k^T * softmax_scale) v (written in place; they may be
     strided views). q, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d); lse_log2, delta:
-    contiguous float32 (b, h, sq) from attn_bwd_preprocess_kernel. See supported()."""
+    float32 (b, h, sq) from attn_bwd_preprocess_kernel, rows padded to a multiple of 4 values
+    (padded_row_stride(); the TMA boxes that stream them must start 16-byte aligned). See supported()."""
     make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config)()
 
 
@@ -447,8 +456,9 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = config
-    assert lse_log2.is_contiguous() and delta.is_contiguous()
-    assert lse_log2.dtype == torch.float32 and delta.dtype == torch.float32
+    row_stride = padded_row_stride(seqlen_q)
+    for t in (lse_log2, delta):
+        assert t.dtype == torch.float32 and t.stride() == (nheads * row_stride, row_stride, 1), t.stride()
 
     if batch == 0 or nheads == 0:
         return lambda: None
@@ -495,7 +505,7 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
         dq_acc.zero_()
         kernel = gluon_attn_bwd_kernel[grid](
             q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-            seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, softmax_scale,
+            seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E, softmax_scale,
             BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
             LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), DQ_SPLIT_M=cfg.dq_split_m,
             num_warps=4,

@@ -2,7 +2,9 @@
 
 Tensors arrive as (batch, seqlen, heads, head_dim) views with a unit-stride last dim;
 outputs are preallocated by the caller, so packed layouts (qkv, kv) and their
-gradients are written in place without copies.
+gradients are written in place without copies. A packed (varlen) batch arrives as
+(1, total, heads, head_dim) views, lse as (1, heads, total), plus a :class:`PackedSeqs`
+saying where each sequence lives; the same kernels serve both (see kernels/seqlens.py).
 """
 
 import math
@@ -88,12 +90,63 @@ class ScoreParams:
         )
 
 
+@dataclass(frozen=True)
+class PackedSeqs:
+    """Where the sequences of a packed (varlen) batch live in the (total, h, d) tensors.
+
+    cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) prefix sums on the tensors' device.
+    max_seqlen_q / max_seqlen_k: host ints, at least every sequence's length (they size the grid).
+    seqused_q / seqused_k: optional int32 (batch,): sequence b uses only its first seqused[b] tokens.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_q: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+_DENSE_SEQ_ARGS = dict(CuSeqlensQ=None, CuSeqlensK=None, SeqUsedQ=None, SeqUsedK=None, IS_VARLEN=False)
+
+
+def _seq_args(seqs: Optional[PackedSeqs]) -> dict:
+    """The sequence-bound arguments every kernel takes."""
+    if seqs is None:
+        return _DENSE_SEQ_ARGS
+    return dict(CuSeqlensQ=seqs.cu_seqlens_q, CuSeqlensK=seqs.cu_seqlens_k, SeqUsedQ=seqs.seqused_q,
+                SeqUsedK=seqs.seqused_k, IS_VARLEN=True)
+
+
+def _grid_lengths(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs]) -> tuple:
+    """(batch, seqlen_q, seqlen_k) the grid spans: the longest sequence when packed."""
+    if seqs is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    return seqs.batch, seqs.max_seqlen_q, seqs.max_seqlen_k
+
+
+def _batch_stride(t: torch.Tensor) -> int:
+    # A batch of one is never indexed past entry 0; stride 0 also lets the packed (1, total, ...)
+    # views serve every sequence, which sits at its own row offset instead.
+    return t.stride(0) if t.shape[0] > 1 else 0
+
+
 def _bsh_strides(t: torch.Tensor) -> tuple:
     """(batch, seqlen, head) strides of a (b, s, h, d) tensor."""
-    return t.stride(0), t.stride(1), t.stride(2)
+    return _batch_stride(t), t.stride(1), t.stride(2)
+
+
+def _bh_strides(t: torch.Tensor) -> tuple:
+    """(batch, head) strides of a (b, h, s) lse-like tensor."""
+    return _batch_stride(t), t.stride(1)
 
 
 def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """Sizes every kernel takes: seqlen_q / seqlen_k are the packed totals when varlen."""
     batch, seqlen_q, nheads, head_dim = q.shape
     return dict(nheads=nheads, head_group=nheads // k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1],
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
@@ -104,10 +157,10 @@ def row_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDesc
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, block_d])
 
 
-def gluon_config(kernel: str, q, k, v, params: ScoreParams) -> Optional[Config]:
+def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> Optional[Config]:
     """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
     call, else None: the call runs on the portable Triton kernels."""
-    if q.device.type != "cuda" or portable_only() or not params.plain:
+    if q.device.type != "cuda" or portable_only() or not params.plain or seqs is not None:
         return None
     portable = (FWD,) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
     if any(overridden(name) for name in portable) and not overridden(kernel):
@@ -123,56 +176,85 @@ def gluon_config(kernel: str, q, k, v, params: ScoreParams) -> Optional[Config]:
     return cfg if supported(q, k, v, params.causal) else None
 
 
-def attention_forward(q, k, v, out, lse, params: ScoreParams) -> None:
-    """out (b, sq, h, d) <- attention; lse (b, h, sq) float32 <- natural-log logsumexp."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> None:
+    """out (b, sq, h, d) <- attention; lse (b, h, sq) float32 <- natural-log logsumexp.
+    Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``."""
     if out.numel() == 0:
         return
-    gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params)
+    gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None:
         from .gluon_forward import gluon_attention_forward
 
         gluon_attention_forward(q, k, v, out, lse, params.softmax_scale, params.causal, gluon_cfg)
         return
-    cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, k.shape[1], q.dtype)
-    launch_forward(q, k, v, out, lse, params, cfg)
+    _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
+    cfg = get_config(FWD, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    launch_forward(q, k, v, out, lse, params, cfg, seqs)
 
 
-def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg) -> None:
+def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None) -> None:
     """The portable forward with an explicit config (the autotuner times several)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, max_seqlen_q, _ = _grid_lengths(q, k, seqs)
+    nheads, head_dim = q.shape[2], q.shape[3]
     block_d = padded_head_dim(head_dim)
-    use_tma = cfg.use_tma and all(tma_aligned(t) for t in (q, k, v, out))
+    # Descriptors address (batch, row) tiles: dense only (a packed sequence's last tile would
+    # be stored over the next sequence's rows).
+    use_tma = cfg.use_tma and seqs is None and all(tma_aligned(t) for t in (q, k, v, out))
     if use_tma:
         tiles = (row_descriptor(q, cfg.block_m, block_d), row_descriptor(k, cfg.block_n, block_d),
                  row_descriptor(v, cfg.block_n, block_d), row_descriptor(out, cfg.block_m, block_d))
     else:
         tiles = (q, k, v, out)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
+    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)
     attn_fwd_kernel[grid](
         *tiles, lse,
-        *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out),
-        lse.stride(0), lse.stride(1),
-        **_shape_args(q, k), **params.kernel_args(q.dtype),
+        *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse),
+        **_seq_args(seqs), **_shape_args(q, k), **params.kernel_args(q.dtype),
         SCALE_IN_EXP2=params.scaled_dot_products,
         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
     )
 
 
+def row_stats_buffers(lse: torch.Tensor) -> tuple:
+    """Two float32 buffers shaped like lse (b, h, sq) for the backward's delta and lse_log2, rows
+    padded to a multiple of 4 values (the Hopper backward streams them in 16-byte aligned boxes)."""
+    batch, nheads, seqlen_q = lse.shape
+    padded = (seqlen_q + 3) // 4 * 4
+    buf = torch.empty((2, batch, nheads, padded), device=lse.device, dtype=torch.float32)
+    return buf[0, :, :, :seqlen_q], buf[1, :, :, :seqlen_q]
+
+
+def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None,
+                      block_m: int = 64) -> None:
+    """delta <- rowsum(dout * out), lse_log2 <- lse * log2(e) (+inf for rows without keys)."""
+    batch, max_seqlen_q, _ = _grid_lengths(out, out, seqs)
+    nheads, head_dim = out.shape[2], out.shape[3]
+    args = _seq_args(seqs)
+    attn_bwd_preprocess_kernel[(triton.cdiv(max_seqlen_q, block_m), nheads, batch)](
+        out, dout, lse, delta, lse_log2,
+        *_bsh_strides(out), *_bsh_strides(dout), *_bh_strides(lse), *_bh_strides(delta),
+        args["CuSeqlensQ"], args["SeqUsedQ"], nheads, out.shape[1],
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, IS_VARLEN=args["IS_VARLEN"],
+    )
+
+
 def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
-                       deterministic: bool = False) -> None:
+                       deterministic: bool = False, seqs: Optional[PackedSeqs] = None) -> None:
     """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``.
 
     On sm90 the Gluon backward serves plain (full or causal) attention unless
     ``deterministic``: it adds dQ up across key blocks with float32 reductions. The
     portable path (preprocess, dK/dV, dQ kernels) sums every gradient in a fixed order.
+    Packed batches: as :func:`attention_forward`; dk / dv rows of tokens past seqused_k
+    are not written (the caller zero-fills them).
     """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    batch, max_seqlen_q, max_seqlen_k = _grid_lengths(q, k, seqs)
+    nheads, head_dim = q.shape[2], q.shape[3]
+    nheads_k = k.shape[2]
     if dq.numel() == 0 and dk.numel() == 0:
         return
-    if dq.numel() == 0 or seqlen_q == 0:
+    if dq.numel() == 0 or q.shape[1] == 0:
         # No query attends: the keys and values got no gradient.
         dk.zero_()
         dv.zero_()
@@ -180,16 +262,12 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     arch = arch_of(q.device)
     shape = _shape_args(q, k)
     score = params.kernel_args(q.dtype)
+    seq_args = _seq_args(seqs)
 
-    delta = torch.empty((batch, nheads, seqlen_q), device=q.device, dtype=torch.float32)
-    lse_log2 = torch.empty_like(delta)
-    pre_cfg = get_config(FWD, arch, head_dim, params.causal, seqlen_k, q.dtype)
-    attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, pre_cfg.block_m), nheads, batch)](
-        out, dout, lse, delta, lse_log2,
-        *_bsh_strides(out), *_bsh_strides(dout), lse.stride(0), lse.stride(1),
-        nheads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], BLOCK_M=pre_cfg.block_m,
-    )
-    gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params)
+    delta, lse_log2 = row_stats_buffers(lse)
+    pre_cfg = get_config(FWD, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m)
+    gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None:
         from .gluon_backward import gluon_attention_backward
 
@@ -198,36 +276,39 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         return
     common = (*_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(dout))
 
-    if seqlen_k > 0:
-        cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, seqlen_k, q.dtype)
-        attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), nheads_k, batch)](
+    if k.shape[1] > 0:
+        cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+        attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg.block_n), nheads_k, batch)](
             q, k, v, dout, lse_log2, delta, dk, dv,
-            *common, *_bsh_strides(dk), *_bsh_strides(dv),
+            *common, *_bsh_strides(dk), *_bsh_strides(dv), *_bh_strides(delta), **seq_args,
             softmax_scale=params.softmax_scale, **shape, **score,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
         )
-    cfg = get_config(BWD_DQ, arch, head_dim, params.causal, seqlen_k, q.dtype)
-    attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
+    cfg = get_config(BWD_DQ, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    attn_bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
         q, k, v, dout, lse_log2, delta, dq,
-        *common, *_bsh_strides(dq),
+        *common, *_bsh_strides(dq), *_bh_strides(delta), **seq_args,
         softmax_scale=params.softmax_scale, **shape, **score,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
     )
 
 
-def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype) -> torch.Tensor:
-    """The full (b, h, sq, sk) probability matrix, dropped entries negated. N^2 memory."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k = k.shape[1]
-    # The kernel writes every element (masked ones as 0), so no memset is needed.
-    probs = empty((batch, nheads, seqlen_q, seqlen_k), dtype, q.device)
+def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
+                    seqs: Optional[PackedSeqs] = None) -> torch.Tensor:
+    """The full (b, h, sq, sk) probability matrix, dropped entries negated. N^2 memory.
+    Packed batches: (batch, h, max_seqlen_q, max_seqlen_k), zero outside each sequence."""
+    batch, max_seqlen_q, max_seqlen_k = _grid_lengths(q, k, seqs)
+    nheads, head_dim = q.shape[2], q.shape[3]
+    shape = (batch, nheads, max_seqlen_q, max_seqlen_k)
+    # The kernel writes every element of a dense batch (masked ones as 0), so no memset is needed.
+    probs = empty(shape, dtype, q.device) if seqs is None else torch.zeros(shape, dtype=dtype, device=q.device)
     if probs.numel() == 0:
         return probs
-    cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, seqlen_k, q.dtype)
-    attn_probs_kernel[(triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)](
+    cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, max_seqlen_k, q.dtype)
+    attn_probs_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
         q, k, lse, probs,
-        *_bsh_strides(q), *_bsh_strides(k), lse.stride(0), lse.stride(1),
-        probs.stride(0), probs.stride(1), probs.stride(2),
+        *_bsh_strides(q), *_bsh_strides(k), *_bh_strides(lse),
+        probs.stride(0), probs.stride(1), probs.stride(2), **_seq_args(seqs),
         **_shape_args(q, k), **params.kernel_args(q.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )

@@ -8,9 +8,10 @@ forward's logsumexp with the same score pipeline. Dropped entries are stored neg
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep
+from .dropout import dropout_keep, dropout_row_offset
 from .forward import load_alibi_slope_log2
 from .scores import LOG2E, mask_scores, scores_log2
+from .seqlens import sequence_bounds
 from .tile_io import load_tile
 
 
@@ -21,33 +22,43 @@ def attn_probs_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_lse_b, stride_lse_h,
     stride_pb, stride_ph, stride_ps,
+    CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
+    """Probs: (b, h, max_seqlen_q, max_seqlen_k); entries outside a sequence's own
+    (seqlen_q, seqlen_k) are left as they are (the host zero-fills them for varlen)."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
     h_kv = h // head_group
+    dropout_row_len = seqlen_k
+    total_q = seqlen_q
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
+                                                           SeqUsedQ, SeqUsedK, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
     diag = seqlen_k - seqlen_q
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+    q = load_tile(Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh,
                   rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True)
-    lse = tl.load(Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + rows,
+    lse = tl.load(Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows,
                   mask=rows < seqlen_q, other=0.0)
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+    k_base = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
     p_base = Probs + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
     alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
     dropout_seed = 0
     if HAS_DROPOUT:
         dropout_seed = tl.load(DropoutSeed)
-    row_offset = (b * nheads + h).to(tl.int64) * seqlen_q
+    dropout_row = dropout_row_offset(b, h, nheads, total_q, q_start)
 
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
@@ -59,7 +70,7 @@ def attn_probs_kernel(
                         HAS_LEFT, HAS_RIGHT)
         p = tl.exp2(s - lse_log2[:, None])
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], row_offset, seqlen_k, dropout_p)
+            keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)
             p = tl.where(keep, p, -p)
         ptrs = p_base + rows[:, None].to(tl.int64) * stride_ps + cols[None, :]
         tl.store(ptrs, p.to(Probs.dtype.element_ty), mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
