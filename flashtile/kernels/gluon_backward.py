@@ -18,6 +18,9 @@ GQA group) that can see the key block:
     adds it to a float32 dQ accumulator in global memory with a TMA reduce-add
     (cp.reduce.async.bulk.tensor), FA3's way. A small Triton kernel scales and casts that
     accumulator into dq.
+Head dim 256 has its own consumer (gluon_attn_bwd_d256_kernel, same loader and bookkeeping):
+64 keys per CTA, each warpgroup owning half of the head dim of dK and dV; see the section
+"Head dim 256" below.
 Causal: a key block only visits the query blocks that see it; only those on the diagonal (or a
 ragged key block) pay for the mask. Rows past seqlen_q need no mask: TMA zero-fills Q, dO and
 lse loads as +inf, so their P is exactly 0; the reduce-add and the dK/dV stores clip.
