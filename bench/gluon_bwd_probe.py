@@ -423,7 +423,8 @@ def main():
     for spec in specs:
         d = int(spec.split(":")[0])
         quick = args.quick or first_of_dim.setdefault(d, spec) != spec
-        rc = run_child(["--child", "check", "--spec", spec] + (["--quick"] if quick else []), args.out, 150)
+        rc = run_child(["--child", "check", "--spec", spec] + (["--quick"] if quick else []), args.out,
+                       120 if quick else 200)
         res = load(os.path.join(args.out, f"check_{spec.replace(':', '_')}.json"))
         summary["checks"][spec] = res
         summary["child_status"][f"check {spec}"] = rc
