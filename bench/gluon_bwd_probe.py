@@ -1,6 +1,7 @@
 """GPU check + timing of the Gluon Hopper backward (flashtile/kernels/gluon_backward.py).
 
     PYTHONPATH=<repo> python bench/gluon_bwd_probe.py --out $OUT [--quick] [--variants 128:m64_s2,...]
+                                                     [--head-dims 256]
 
 Every piece of GPU work runs in a child process with a timeout (a deadlocked kernel only costs
 its timeout): first the correctness of each candidate config (fresh randn inputs, NaN-poisoned
@@ -71,24 +72,16 @@ def reference_grads(q, k, v, dout, scale, causal):
 
 def forward_and_preprocess(q, k, v, dout, scale, causal):
     """out, lse from flashtile's forward; lse_log2, delta from flashtile's preprocess kernel."""
-    from flashtile.kernels.backward import attn_bwd_preprocess_kernel
-    from flashtile.kernels.launch import ScoreParams, attention_forward
+    from flashtile.kernels.launch import ScoreParams, attention_forward, launch_preprocess, row_stats_buffers
     b, sq, h, d = q.shape
     out = torch.empty((b, sq, h, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
     params = ScoreParams(softmax_scale=scale, window_right=0 if causal else -1)
     attention_forward(q, k, v, out, lse, params)
-    lse_log2 = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
-    delta = torch.empty_like(lse_log2)
+    delta, lse_log2 = row_stats_buffers(lse)
 
     def preprocess():
-        block_m = 64
-        attn_bwd_preprocess_kernel[(triton.cdiv(sq, block_m), h, b)](
-            out, dout, lse, delta, lse_log2,
-            out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            lse.stride(0), lse.stride(1), h, sq,
-            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
-        )
+        launch_preprocess(out, dout, lse, delta, lse_log2)
     preprocess()
     return out, lse, lse_log2, delta, preprocess
 
@@ -103,10 +96,14 @@ def rel_err(g, ref):
 
 
 def flashtile_grads(q, k, v, dout, scale, causal):
+    """flashtile's portable Triton backward (the Gluon one turned off: the configs may route
+    these shapes to the kernel under test)."""
     from flashtile import flash_attn_func
+    from flashtile.configs import override
     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = flash_attn_func(qq, kk, vv, softmax_scale=scale, causal=causal)
-    return torch.autograd.grad(out, (qq, kk, vv), dout)
+    with override(bwd_gluon=None):
+        return torch.autograd.grad(out, (qq, kk, vv), dout)
 
 
 def find_config(spec):
@@ -140,9 +137,16 @@ CASES = [
     ("packed_qkv_causal", 2, 200, 200, 4, 4, True, "packed", None),
     ("neg_scale", 2, 113, 203, 4, 4, False, "plain", -0.1),
     ("s2048_causal", 1, 2048, 2048, 2, 2, True, "plain", None),
+    # Shapes supported() takes (seqlen_q % 4 == 0) with ragged blocks, GQA and batch > 1.
+    ("q1000_k777", 2, 1000, 777, 4, 4, False, "plain", None),
+    ("q1000_k777_causal", 2, 1000, 777, 4, 4, True, "plain", None),
+    ("q776_k1001_causal", 2, 776, 1001, 4, 4, True, "plain", None),
+    ("gqa_h8_hk2_q256_k320", 2, 256, 320, 8, 2, False, "plain", None),
+    ("gqa_h8_hk2_q1000_k777_causal", 2, 1000, 777, 8, 2, True, "plain", None),
+    ("gqa_h6_hk1_q512_causal", 3, 512, 512, 6, 1, True, "plain", None),
 ]
 QUICK = {"s128", "s113_causal", "q113_k203_causal", "q300_k100_causal", "gqa_h8_hk2_causal",
-         "packed_qkv_causal"}
+         "packed_qkv_causal", "q1000_k777_causal", "gqa_h8_hk2_q1000_k777_causal"}
 TOL = {"bfloat16": 1.5e-2, "float16": 3e-3}
 
 
@@ -252,6 +256,7 @@ def child_time_baselines(head_dims, out_dir):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     from flashtile import flash_attn_func
+    from flashtile.configs import override
     warm_up_gpu()
     rows = []
     for d in head_dims:
@@ -275,8 +280,9 @@ def child_time_baselines(head_dims, out_dir):
                 try:
                     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
                     out = flash_attn_func(qq, kk, vv, softmax_scale=scale, causal=causal)
-                    ms = do_bench(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True),
-                                  warmup=25, rep=100)
+                    with override(bwd_gluon=None):  # the portable Triton backward
+                        ms = do_bench(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True),
+                                      warmup=25, rep=100)
                     rec["flashtile_ms"] = ms
                     rec["flashtile_tflops"] = bwd_tflops(b, h, s, d, causal, ms)
                     del out
@@ -378,7 +384,7 @@ def main():
     ap.add_argument("--variants", default="", help="comma list of d:name (default: all candidates)")
     ap.add_argument("--child", default="")
     ap.add_argument("--spec", default="")
-    ap.add_argument("--head-dims", default="")
+    ap.add_argument("--head-dims", default="", help="comma list: only the candidates of these head dims")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -394,31 +400,45 @@ def main():
     specs = [f"{d}:{n}" for d, c in gbk.CANDIDATES.items() for n in c]
     if args.variants:
         specs = [s for s in args.variants.split(",") if s]
+    if args.head_dims:
+        wanted = {int(x) for x in args.head_dims.split(",") if x}
+        specs = [s for s in specs if int(s.split(":")[0]) in wanted]
     head_dims = sorted({int(s.split(":")[0]) for s in specs})
     summary = {"variants": specs, "checks": {}, "timings": {}, "baselines": None, "child_status": {}}
 
-    # 1. Correctness of every variant (each in its own process).
+    # Each variant is checked (its own process) and, when it passes, timed right away, so a
+    # variant that deadlocks or fails late in the list costs only its own timeouts. The baselines
+    # run once, before the first timing. The first variant of each head dim gets every
+    # correctness case; later ones (small departures from it) the --quick set.
     passed = []
+    first_of_dim = {}
     for spec in specs:
-        rc = run_child(["--child", "check", "--spec", spec] + (["--quick"] if args.quick else []), args.out, 150)
+        d = int(spec.split(":")[0])
+        quick = args.quick or first_of_dim.setdefault(d, spec) != spec
+        rc = run_child(["--child", "check", "--spec", spec] + (["--quick"] if quick else []), args.out,
+                       120 if quick else 200)
         res = load(os.path.join(args.out, f"check_{spec.replace(':', '_')}.json"))
         summary["checks"][spec] = res
         summary["child_status"][f"check {spec}"] = rc
         if res and res["all_ok"] and rc == 0:
             passed.append(spec)
         log(f"== {spec}: {'PASS' if spec in passed else 'FAIL'}")
-
-    # 2. Baselines, then each passing variant.
-    rc = run_child(["--child", "base", "--head-dims", ",".join(map(str, head_dims))], args.out, 120)
-    summary["child_status"]["baselines"] = rc
-    summary["baselines"] = load(os.path.join(args.out, "time_baselines.json"))
-    for spec in passed:
+        if spec not in passed:
+            continue
+        if summary["baselines"] is None and "baselines" not in summary["child_status"]:
+            rc = run_child(["--child", "base", "--head-dims", ",".join(map(str, head_dims))], args.out, 120)
+            summary["child_status"]["baselines"] = rc
+            summary["baselines"] = load(os.path.join(args.out, "time_baselines.json"))
         if elapsed() > TIME_BUDGET_S - 20:
             log(f"time budget reached; not timing {spec}")
             continue
         rc = run_child(["--child", "time", "--spec", spec], args.out, 120)
         summary["child_status"][f"time {spec}"] = rc
         summary["timings"][spec] = load(os.path.join(args.out, f"time_{spec.replace(':', '_')}.json"))
+    if "baselines" not in summary["child_status"] and elapsed() < TIME_BUDGET_S - 20:
+        rc = run_child(["--child", "base", "--head-dims", ",".join(map(str, head_dims))], args.out, 120)
+        summary["child_status"]["baselines"] = rc
+        summary["baselines"] = load(os.path.join(args.out, "time_baselines.json"))
 
     with open(os.path.join(args.out, "gluon_bwd_probe.json"), "w") as f:
         json.dump(summary, f, indent=1)

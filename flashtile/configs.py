@@ -65,15 +65,19 @@ class GluonFwdConfig:
 class GluonBwdConfig:
     """The Hopper (sm90) warp-specialized backward (flashtile/kernels/gluon_backward.py).
 
-    A CTA holds 128 keys (two consumer warpgroups of 64) and one TMA loader warp, and
-    streams query tiles past them. block_m: query rows per streamed Q/dO tile;
-    num_stages: depth of the Q/dO ring; consumer_regs / loader_regs: setmaxnreg per role.
+    A CTA holds 128 keys (two consumer warpgroups of 64; at head dim 256, 64 keys and each
+    warpgroup owns half the head dim) and one TMA loader warp, and streams query tiles past
+    them. block_m: query rows per streamed Q/dO tile; num_stages: depth of the Q/dO ring;
+    consumer_regs / loader_regs: setmaxnreg per role.
     """
 
     block_m: int
     num_stages: int
     consumer_regs: int = 240
     loader_regs: int = 24
+    # Head dim 256 only: issue the product of the second 64-column dQ tile before the first is
+    # stored (overlap for 32 more registers per thread).
+    dq_overlap: bool = False
 
     @property
     def dq_split_m(self) -> bool:
@@ -179,6 +183,9 @@ _TUNED: dict = {
         BWD_GLUON: [
             Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
+            # 64 keys per CTA, each warpgroup half of the head dim (not yet measured on the H200:
+            # bench/gluon_bwd_probe.py --head-dims 256).
+            Rule(256, GluonBwdConfig(block_m=64, num_stages=2)),
         ],
         BWD_DKDV: [
             Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),

@@ -18,6 +18,9 @@ GQA group) that can see the key block:
     adds it to a float32 dQ accumulator in global memory with a TMA reduce-add
     (cp.reduce.async.bulk.tensor), FA3's way. A small Triton kernel scales and casts that
     accumulator into dq.
+Head dim 256 has its own consumer (gluon_attn_bwd_d256_kernel, same loader and bookkeeping):
+64 keys per CTA, each warpgroup owning half of the head dim of dK and dV; see the section
+"Head dim 256" below.
 Causal: a key block only visits the query blocks that see it; only those on the diagonal (or a
 ragged key block) pay for the mask. Rows past seqlen_q need no mask: TMA zero-fills Q, dO and
 lse loads as +inf, so their P is exactly 0; the reduce-add and the dK/dV stores clip.
@@ -54,9 +57,9 @@ _NC = gl.constexpr(NUM_CONSUMERS)
 _BN = gl.constexpr(BLOCK_N)
 
 
-# The tuned choice per head dim is in flashtile/configs.py (BWD_GLUON). d256 is not handled:
-# dK and dV alone would need 256 registers per thread of a warpgroup.
-HEAD_DIMS = (64, 128)
+# The tuned choice per head dim is in flashtile/configs.py (BWD_GLUON). d256 has its own kernel
+# (gluon_attn_bwd_d256_kernel): its warpgroups split the head dim, not the keys.
+HEAD_DIMS = (64, 128, 256)
 
 # Alternatives the probe (bench/gluon_bwd_probe.py) times against the defaults.
 CANDIDATES = {
@@ -67,6 +70,12 @@ CANDIDATES = {
     128: {
         "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
         "m64_s3": GluonBwdConfig(64, 3, 240, 24),
+    },
+    # d256: 64 keys per CTA; block_m 64 with 2 stages fills shared memory (230 KB). block_m 32
+    # would make dQ's wgmma M (query rows) 32 < 64. dq_overlap: see GluonBwdConfig.
+    256: {
+        "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
+        "m64_s2_dqo": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24, dq_overlap=True),
     },
 }
 
@@ -117,18 +126,21 @@ def _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK
 def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
             lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
             BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    start_n = gl.program_id(0) * _BN
+    # The key block is k_smem.shape[0] tiles of 64 keys (2 at d64/d128, 1 at d256).
+    NKV: gl.constexpr = k_smem.shape[0]
+    BN: gl.constexpr = NKV * _KPC
+    start_n = gl.program_id(0) * BN
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
 
-    mbarrier.expect(kv_ready, 2 * _NC * kv_desc_k.block_type.nbytes)
-    for c in gl.static_range(_NC):
+    mbarrier.expect(kv_ready, 2 * NKV * kv_desc_k.block_type.nbytes)
+    for c in gl.static_range(NKV):
         tma.async_copy_global_to_shared(kv_desc_k, [batch, start_n + c * _KPC, kv_head, 0], kv_ready,
                                         k_smem.index(c))
         tma.async_copy_global_to_shared(kv_desc_v, [batch, start_n + c * _KPC, kv_head, 0], kv_ready,
                                         v_smem.index(c))
 
-    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL)
+    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL)
     it = 0
     for g in range(head_group):
         head = kv_head * head_group + g
@@ -385,6 +397,290 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+# ----------------------------------------------------------------------------------------------
+# Head dim 256: one CTA per 64 keys; each consumer warpgroup owns half of the head dim.
+# ----------------------------------------------------------------------------------------------
+#
+# dK and dV of 64 keys x 256 columns would take 256 float32 registers per thread of one
+# warpgroup, so the two warpgroups split the head dim instead of the keys: warpgroup c keeps
+# dK[:, 128c:128c+128] and dV[:, 128c:128c+128] (128 registers). The score work of a query block
+# is split over its query rows, not repeated: warpgroup c forms S^T, dP^T, P^T and dS^T of the 64
+# keys against query rows [c*BLOCK_M/2, (c+1)*BLOCK_M/2) and writes its P^T, dS^T columns to
+# shared memory; once both halves are there (mbarrier), it adds P^T dO and dS^T Q over all the
+# rows into its dV, dK columns and computes dQ = dS K for its columns.
+#
+# Every tile is addressed as a whole view (index of a reinterpreted buffer), never as a row slice
+# of a multi-chunk swizzled tile. A (1, rows, 1, 256) TMA box lands as 4 chunks of 64 columns,
+# each chunk rows x 128 bytes (128-byte swizzle); so
+#   * chunk j of K (or V) is a (64, 64) tile, and chunks 2c, 2c+1 are the (64, 128) tile of head
+#     dim half c: the dK, dV staging for the (1, 64, 1, 128) output boxes;
+#   * rows [h*BLOCK_M/2, ...) of chunk j of Q (or dO) are one (BLOCK_M/2, 64) tile;
+#   * chunks 2c, 2c+1 of a Q or dO slot (16 KB at BLOCK_M = 64) are read by no one but
+#     warpgroup c's dK (dV) once both warpgroups have formed their scores: after those retire,
+#     warpgroup c stages its dQ columns there, as two (BLOCK_M, 64) float32 tiles (the same
+#     bytes), and reduce-adds them with TMA. The slot goes back to the loader one iteration
+#     later, once those reduce-adds have read it. (At BLOCK_M = 64, two Q/dO stages, K, V and two
+#     P^T/dS^T buffers already take 230400 of the 232448 bytes a CTA may have: no room for a
+#     separate dQ staging buffer.)
+# P^T and dS^T: (64 keys, BLOCK_M queries) tiles with a (BLOCK_M)-byte swizzle, so the column
+# half of each warpgroup is one whole swizzle chunk; double-buffered so a warpgroup can start
+# the next query block before the other has finished reading them.
+
+_D256_HALF = gl.constexpr(128)  # head-dim columns per consumer warpgroup
+_DQ_N = gl.constexpr(64)        # dQ columns per reduce-add tile
+
+
+@gluon.jit
+def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem,
+                       k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
+                       seqlen_q, seqlen_k, qk_scale_log2,
+                       CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
+                       s_layout: gl.constexpr, dq_layout: gl.constexpr):
+    """Query blocks [m_start, m_stop) of one query head (head dim 256)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    NCHUNK: gl.constexpr = HEAD_DIM // 64
+    dtype: gl.constexpr = k_smem.dtype
+    # 128-byte swizzle, as the TMA boxes land: chunks of 64 columns and halves of 128 columns.
+    chunk_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    half_layout: gl.constexpr = chunk_layout
+    pt_half_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=HALF_M * 2, element_bitwidth=16, rank=2)
+    stage_layout: gl.constexpr = dq_desc.layout
+    diag = seqlen_k - seqlen_q
+
+    # K, V: 4 chunks of (64 keys, 64 columns).
+    k_chunks = k_smem._reinterpret(dtype, [NCHUNK, _KPC, 64], chunk_layout)
+    v_chunks = v_smem._reinterpret(dtype, [NCHUNK, _KPC, 64], chunk_layout)
+    # P^T, dS^T: [buffer, 64 keys, BLOCK_M queries] and [buffer * 2 + warpgroup, 64 keys, HALF_M].
+    p_halves = p_smem._reinterpret(dtype, [4, _KPC, HALF_M], pt_half_layout)
+    ds_halves = ds_smem._reinterpret(dtype, [4, _KPC, HALF_M], pt_half_layout)
+
+    keys = start_n + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    for m in range(m_start, m_stop):
+        slot = it % NUM_STAGES
+        buf = it % 2
+        start_m = m * BLOCK_M
+        mbarrier.wait(q_ready.index(slot), (it // NUM_STAGES) & 1)
+        # Q, dO slot as (chunk, row half) tiles of (HALF_M, 64), and as head-dim halves (BLOCK_M, 128).
+        q_tiles = q_smem.index(slot)._reinterpret(dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
+        do_tiles = do_smem.index(slot)._reinterpret(dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
+        q_mine = q_smem.index(slot)._reinterpret(dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
+        do_mine = do_smem.index(slot)._reinterpret(dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
+
+        # S^T = K Q_c^T and dP^T = V dO_c^T for this warpgroup's query rows, summed over the
+        # head-dim chunks. (Starting dP^T at -delta, as at d64/d128, makes ptxas wait for S^T
+        # before issuing dP^T.)
+        s_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout)
+        for j in gl.static_range(NCHUNK):
+            s_tok = warpgroup_mma(k_chunks.index(j), q_tiles.index(2 * j + CONSUMER).permute([1, 0]), s_tok,
+                                  use_acc=j > 0, is_async=True)
+        dp_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout)
+        for j in gl.static_range(NCHUNK):
+            dp_tok = warpgroup_mma(v_chunks.index(j), do_tiles.index(2 * j + CONSUMER).permute([1, 0]), dp_tok,
+                                   use_acc=j > 0, is_async=True)
+
+        s, _, _, _ = warpgroup_mma_wait(NCHUNK, deps=[s_tok, k_chunks, q_tiles, q_smem])
+        lse = lse_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
+        x = s * qk_scale_log2 - gl.expand_dims(lse, 0)
+        if MASK:
+            cols = start_m + CONSUMER * HALF_M + gl.arange(0, HALF_M, layout=col_layout)
+            keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(cols < seqlen_q, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + diag, 0))
+            x = gl.where(keep, x, float("-inf"))
+        p = gl.exp2(x)
+        dp, _, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_chunks, do_tiles, do_smem])
+        delta = delta_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
+        ds = p * (dp - gl.expand_dims(delta, 0))
+
+        # Publish this warpgroup's columns of P^T and dS^T.
+        ds_phase = (it // 2) & 1
+        mbarrier.wait(ds_free.index(buf), ds_phase ^ 1)
+        p_halves.index(buf * 2 + CONSUMER).store(p.to(dtype))
+        ds_halves.index(buf * 2 + CONSUMER).store(ds.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(buf))
+        # The previous query block's dQ reduce-adds (staged in its Q/dO slot) have read their
+        # tiles by now, mostly: then that slot can go back to the loader.
+        if it > 0:
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index((it - 1) % NUM_STAGES))
+        mbarrier.wait(ds_ready.index(buf), ds_phase)
+
+        # dV[:, half] += P^T dO[:, half], dK[:, half] += dS^T Q[:, half] over all BLOCK_M rows;
+        # dQ[:, half] = dS K[:, half], as two 64-column tiles.
+        pt = p_smem.index(buf)
+        dst = ds_smem.index(buf)
+        # dQ is stored in this warpgroup's halves of the Q and dO tiles (read by nobody else once
+        # its dK, dV products retire). One 64-column tile at a time: dK, dV and two dQ tiles
+        # in registers at once would spill.
+        stage_shape: gl.constexpr = [2, 1, BLOCK_M, 1, _DQ_N]
+        stage_q = q_smem.index(slot)._reinterpret(gl.float32, stage_shape, stage_layout).index(CONSUMER)
+        stage_do = do_smem.index(slot)._reinterpret(gl.float32, stage_shape, stage_layout).index(CONSUMER)
+        col0 = CONSUMER * _D256_HALF
+        dv_tok = warpgroup_mma(pt, do_mine, dv, is_async=True)
+        dk_tok = warpgroup_mma(dst, q_mine, dk, is_async=True)
+        dq_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER),
+                               gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dv, dk, _, _, _, _ = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok, pt, dst, q_mine, do_mine])
+        if DQ_OVERLAP:
+            # The second tile's product runs while the first is stored (32 more registers).
+            dq1_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1),
+                                    gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dq, _, _ = warpgroup_mma_wait(1, deps=[dq_tok, dst, k_chunks])
+            stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [batch, start_m, head, col0], stage_q)
+            dq, _, _ = warpgroup_mma_wait(0, deps=[dq1_tok, dst, k_chunks])
+        else:
+            dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
+            stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [batch, start_m, head, col0], stage_q)
+            dq_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1),
+                                   gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
+        mbarrier.arrive(ds_free.index(buf))
+        stage_do.reshape([BLOCK_M, _DQ_N]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [batch, start_m, head, col0 + _DQ_N], stage_do)
+        it += 1
+    return it, dk, dv
+
+
+@gluon.jit
+def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
+                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                   seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr):
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, _D256_HALF, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, _DQ_N, 16])
+    start_n = gl.program_id(0) * _KPC
+    kv_head = gl.program_id(1)
+    batch = gl.program_id(2)
+    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _KPC, CAUSAL)
+
+    dk = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
+    dv = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
+    mbarrier.wait(kv_ready, 0)
+    it = 0
+    for g in range(head_group):
+        head = kv_head * head_group + g
+        it, dk, dv = _query_blocks_d256(
+            it, dk, dv, m_lo, m_full, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
+            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+        it, dk, dv = _query_blocks_d256(
+            it, dk, dv, m_full, m_tail, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
+            CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+        it, dk, dv = _query_blocks_d256(
+            it, dk, dv, m_tail, m_end, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
+            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+
+    # Both warpgroups' scores read all of K and V: wait for both, then stage this warpgroup's
+    # dK, dV columns in its halves of the K, V tiles. The last dQ reduce-adds must be done with
+    # their staging (and every bulk op before the CTA exits).
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    tma.store_wait(0)
+    k_stage = k_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dk_desc.layout).index(CONSUMER)
+    v_stage = v_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dv_desc.layout).index(CONSUMER)
+    k_stage.reshape([_KPC, _D256_HALF]).store((dk * softmax_scale).to(dtype))
+    v_stage.reshape([_KPC, _D256_HALF]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, start_n, kv_head, CONSUMER * _D256_HALF], k_stage)
+    tma.async_copy_shared_to_global(dv_desc, [batch, start_n, kv_head, CONSUMER * _D256_HALF], v_stage)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_d256_0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
+                     q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                     seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     DQ_OVERLAP: gl.constexpr):
+    _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
+                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                   seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                   0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)
+
+
+@gluon.jit
+def _consumer_d256_1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
+                     q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                     seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     DQ_OVERLAP: gl.constexpr):
+    _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
+                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                   seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                   1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride"])
+def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+                               seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
+                               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr):
+    gl.static_assert(NUM_STAGES >= 2, "a slot is released one query block late (dQ staging)")
+    dtype: gl.constexpr = q_desc.dtype
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    # P^T, dS^T: [buffer, 64 keys, BLOCK_M queries]; each warpgroup's HALF_M columns are one
+    # swizzle chunk.
+    pt_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=HALF_M * 2, element_bitwidth=16, rank=2)
+    p_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
+
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(done, count=_NC)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=_NC)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=_NC)
+        mbarrier.init(ds_free.index(i), count=_NC)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer_d256_0, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
+                            q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                            seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                            BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)),
+        (_consumer_d256_1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
+                            q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                            seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                            BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                   lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
+                   lse_row_stride, BLOCK_M, NUM_STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
 @triton.jit
 def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seqlen_q, nheads, scale,
                                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -449,6 +745,36 @@ def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax
     make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config)()
 
 
+def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
+    """(TMA descriptors in kernel order, kernel, keys per CTA, extra constexprs) for one head dim.
+    The loader's Q/dO/K/V boxes are whole rows of the head dim at every head dim."""
+    head_dim = q.shape[-1]
+    q_desc = _descriptor(q, cfg.block_m)
+    do_desc = _descriptor(dout, cfg.block_m)
+    k_desc = _descriptor(k, KEYS_PER_CONSUMER)
+    v_desc = _descriptor(v, KEYS_PER_CONSUMER)
+    # lse / delta: 1-D boxes over the flat arrays (no 16-byte row-stride condition on seqlen_q).
+    lse_desc = _row_descriptor(lse_log2, cfg.block_m)
+    delta_desc = _row_descriptor(delta, cfg.block_m)
+    if head_dim == 256:
+        # Each warpgroup stores its half of the head dim of dK, dV (staged in its half of the K,
+        # V tiles) and reduce-adds dQ in (block_m, 64) float32 tiles.
+        half = head_dim // NUM_CONSUMERS
+        dk_desc = _descriptor(dk, KEYS_PER_CONSUMER, half)
+        dv_desc = _descriptor(dv, KEYS_PER_CONSUMER, half)
+        dq_desc = _descriptor(dq_acc, cfg.block_m, _DQ_N.value)
+        descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
+        return descs, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap}
+    dq_cols = head_dim if cfg.dq_split_m else head_dim // NUM_CONSUMERS
+    dk_desc = _descriptor(dk, KEYS_PER_CONSUMER)
+    dv_desc = _descriptor(dv, KEYS_PER_CONSUMER)
+    dq_desc = _descriptor(dq_acc, KEYS_PER_CONSUMER, dq_cols)
+    # K/V staging doubles as the dK/dV store source: same box, same layout.
+    assert k_desc.layout == dk_desc.layout and v_desc.layout == dv_desc.layout
+    descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
+    return descs, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m}
+
+
 def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config):
     """A zero-argument launch with the TMA descriptors and the dQ accumulator built once (timing
     without host overhead). Each launch zeroes the accumulator, runs the kernel and the convert;
@@ -481,34 +807,21 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
     if not tma_aligned(dv):
         dv = torch.empty(dv.shape, device=dv.device, dtype=dv.dtype)
     dq_acc = torch.empty((batch, seqlen_q, nheads, head_dim), device=q.device, dtype=torch.float32)
-    dq_cols = head_dim if cfg.dq_split_m else head_dim // NUM_CONSUMERS
-    q_desc = _descriptor(q, cfg.block_m)
-    do_desc = _descriptor(dout, cfg.block_m)
-    k_desc = _descriptor(k, KEYS_PER_CONSUMER)
-    v_desc = _descriptor(v, KEYS_PER_CONSUMER)
-    dk_desc = _descriptor(dk, KEYS_PER_CONSUMER)
-    dv_desc = _descriptor(dv, KEYS_PER_CONSUMER)
-    dq_desc = _descriptor(dq_acc, KEYS_PER_CONSUMER, dq_cols)
-    # lse / delta: 1-D boxes over the flat arrays (no 16-byte row-stride condition on seqlen_q).
-    lse_desc = _row_descriptor(lse_log2, cfg.block_m)
-    delta_desc = _row_descriptor(delta, cfg.block_m)
-    # K/V staging doubles as the dK/dV store source: same box, same layout.
-    assert k_desc.layout == dk_desc.layout and v_desc.layout == dv_desc.layout
+    descs, kernel_fn, block_n, extra = _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg)
 
     # Key blocks of one head are adjacent in launch order: concurrent CTAs stream the same query
     # blocks (shared in L2) and reduce into the same dQ rows (L2-resident).
-    grid = (triton.cdiv(seqlen_k, BLOCK_N), nheads_k, batch)
+    grid = (triton.cdiv(seqlen_k, block_n), nheads_k, batch)
     convert_block = 32
     convert_grid = (triton.cdiv(seqlen_q, convert_block), nheads, batch)
 
     def launch():
         dq_acc.zero_()
-        kernel = gluon_attn_bwd_kernel[grid](
-            q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-            seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E, softmax_scale,
+        kernel = kernel_fn[grid](
+            *descs, seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E,
+            softmax_scale,
             BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
-            LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), DQ_SPLIT_M=cfg.dq_split_m,
-            num_warps=4,
+            LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), num_warps=4, **extra,
         )
         gluon_bwd_dq_convert_kernel[convert_grid](
             dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale,
