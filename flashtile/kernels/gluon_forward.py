@@ -12,6 +12,15 @@ One CTA owns a tile of NUM_CONSUMERS * 64 query rows of one (batch, head):
     overlaps the other's wgmmas.
 Only the key blocks that can hold masked entries (the causal diagonal, the ragged end at sk)
 pay for the mask; causal blocks wholly above the diagonal are never loaded.
+
+Varlen (IS_VARLEN, flash_attn_varlen_func's packed layout): the host passes the packed tensors as
+batch-1 views (1, total, h, d), so the same 4-D descriptors serve; the grid's third axis is the
+sequence, whose offsets and lengths each partition reads from cu_seqlens (and seqused). TMA
+coordinates are offset by the sequence start; key tiles past the sequence end read the next
+sequence's keys and are masked like the ragged end of a dense row. Query rows past the end are
+computed but not stored: a sequence's last, ragged 64-row tile is stored from registers with a row
+mask (a TMA box would overwrite the next sequence's rows), every other tile by TMA. The dense
+path compiles to the same code as without varlen (all of it sits behind the constexpr).
 """
 
 import torch
@@ -85,14 +94,56 @@ def _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _tile_coords(seqlen_q, nheads, head_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(start_m, head, kv head, batch) of this CTA. Causal: longest rows launch first."""
+def _tile_info(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
+               BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """What this CTA works on: (start_m, head, kv head, batch, q_start, k_start, seqlen_q, seqlen_k,
+    rows_end, valid). start_m is relative to its sequence, whose rows start at q_start and keys at
+    k_start; seqlen_q / seqlen_k are the rows / keys the sequence uses, rows_end its rows (>= seqlen_q,
+    the rows past seqlen_q get out 0 and lse -inf); valid: the tile starts inside the sequence.
+    Dense: batch is the TMA batch coordinate and every offset is 0. Varlen: the sequences are packed
+    along a batch-1 tensor, batch is the sequence, the TMA batch coordinate is 0.
+    Causal: the longest tiles (the most key blocks) launch first."""
     pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
     head = gl.program_id(1)
     batch = gl.program_id(2)
-    return pid_m * BLOCK_M, head, head // head_group, batch
+    if IS_VARLEN:
+        q_start = gl.load(cu_seqlens_q + batch)
+        rows_end = gl.load(cu_seqlens_q + batch + 1) - q_start
+        k_start = gl.load(cu_seqlens_k + batch)
+        if seqused_q is not None:
+            seqlen_q = gl.load(seqused_q + batch)
+        else:
+            seqlen_q = rows_end
+        if seqused_k is not None:
+            seqlen_k = gl.load(seqused_k + batch)
+        else:
+            seqlen_k = gl.load(cu_seqlens_k + batch + 1) - k_start
+        if CAUSAL:
+            # The grid covers the longest sequence; count back from this one's last tile (a
+            # negative index is a tile past the sequence).
+            pid_m = gl.cdiv(rows_end, BLOCK_M) - 1 - pid_m
+        start_m = pid_m * BLOCK_M
+        valid = (start_m >= 0) & (start_m < rows_end)
+    else:
+        if CAUSAL:
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        start_m = pid_m * BLOCK_M
+        q_start = 0
+        k_start = 0
+        rows_end = seqlen_q
+        valid = True
+    return start_m, head, head // head_group, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid
+
+
+@gluon.jit
+def _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
+    """_key_block_range, and no key block at all for a tile wholly past the used rows."""
+    n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if HAS_SEQUSED_Q:
+        n_total = gl.where(start_m < seqlen_q, n_total, 0)
+        n_unmasked = gl.minimum(n_unmasked, n_total)
+    return n_unmasked, n_total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,16 +151,12 @@ def _tile_coords(seqlen_q, nheads, head_group, BLOCK_M: gl.constexpr, CAUSAL: gl
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-            seqlen_q, seqlen_k, nheads, head_group,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
-    start_m, head, kv_head, batch = _tile_coords(seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
-    n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-
+def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                tma_batch, q_row, k_start, head, kv_head, n_total,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, start_m + c * 64, head, 0], q_ready.index(c),
+        tma.async_copy_global_to_shared(q_desc, [tma_batch, q_row + c * 64, head, 0], q_ready.index(c),
                                         q_smem.index(c))
 
     for j in range(n_total):
@@ -118,12 +165,33 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), empty_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, kv_head, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_start + j * BLOCK_N, kv_head, 0],
+                                        k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
-                                        v_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_start + j * BLOCK_N, kv_head, 0],
+                                        v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
+    start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
+        IS_VARLEN)
+    n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                      seqused_q is not None)
+    if IS_VARLEN:
+        # Key blocks running past the sequence read the next one's keys (masked by the consumers).
+        if valid:
+            _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                        v_empty, 0, q_start + start_m, k_start, head, kv_head, n_total,
+                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS)
+    else:
+        _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                    batch, start_m, 0, head, kv_head, n_total, BLOCK_N, NUM_STAGES, NUM_CONSUMERS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,11 +266,12 @@ def _pipelined_blocks(q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
-              PINGPONG: gl.constexpr):
+def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+             stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
+             start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
+             CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
+             PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -213,8 +282,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    start_m, head, kv_head, batch = _tile_coords(seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
-    n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     my_start = start_m + CONSUMER * 64
     rows = my_start + gl.arange(0, 64, layout=row_layout)
     diag = seqlen_k - seqlen_q
@@ -274,49 +341,114 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     # A row that saw no key (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
+    if HAS_SEQUSED_Q:
+        # Rows past the used ones count as rows that saw no key. Their queries may be garbage,
+        # hence a select rather than a scale by 0.
+        empty_row = empty_row | (rows >= seqlen_q)
     lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # * ln 2
     inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
-    out = (acc * gl.expand_dims(inv_l, 1)).to(q_smem.dtype)
+    out = acc * gl.expand_dims(inv_l, 1)
+    if HAS_SEQUSED_Q:
+        unused = gl.convert_layout(rows >= seqlen_q, gl.SliceLayout(1, o_layout))
+        out = gl.where(gl.expand_dims(unused, 1), 0.0, out)
+    out = out.to(q_smem.dtype)
 
-    lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
-    gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+    if IS_VARLEN:
+        # lse is (h, total_q): the sequence's rows start at column q_start.
+        lse_ptrs = lse_ptr + head.to(gl.int64) * stride_lse_h + (q_start + rows)
+        gl.store(lse_ptrs, lse, mask=rows < rows_end)
+        if my_start + 64 <= rows_end:
+            # The whole box lies in this sequence: TMA store through the dead Q buffer.
+            q_op.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [0, q_start + my_start, head, 0], q_buf)
+            tma.store_wait(0)
+        else:
+            # The sequence's last (ragged) rows: a TMA box would overwrite the next sequence's
+            # rows, so store from registers with a row mask.
+            o_rows = my_start + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            # out has a TMA descriptor, so 16-byte strides: multiples of 8 elements. Spelled out
+            # (x // 8 * 8) so the compiler can vectorize the stores.
+            row_off = ((q_start + o_rows).to(gl.int64) * (stride_o_s // 8 * 8)
+                       + head.to(gl.int64) * (stride_o_h // 8 * 8))
+            o_ptrs = o_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
+            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < rows_end, 1))
+    else:
+        lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
+        gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
 
-    # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which clips
-    # rows past seqlen_q.
-    q_op.store(out)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], q_buf)
-    tma.store_wait(0)
+        # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which clips
+        # rows past seqlen_q.
+        q_op.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], q_buf)
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
+              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
+              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr):
+    start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
+        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
+        IS_VARLEN)
+    n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                      seqused_q is not None)
+    if IS_VARLEN:
+        if valid:
+            _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+                     stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
+                     start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
+                     CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN,
+                     seqused_q is not None)
+    else:
+        _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
+                 stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
+                 start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
+                 CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN, False)
 
 
 @gluon.jit
 def _consumer0(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-               stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr):
+               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)
+              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
+              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)
 
 
 @gluon.jit
 def _consumer1(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-               stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr):
+               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)
+              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
+              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)
 
 
 @gluon.jit
 def _consumer2(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-               stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr):
+               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+               IS_VARLEN: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)
+              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
+              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,13 +456,18 @@ def _consumer2(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
 # ----------------------------------------------------------------------------------------------
 
 # Sizes and strides stay runtime values: specializing them (== 1, % 16) would only multiply
-# compilations.
-@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group"])
+# compilations. Varlen (IS_VARLEN): cu_seqlens_q / cu_seqlens_k (batch + 1,) int32 prefix sums,
+# seqused_q / seqused_k (batch,) int32 or None, o_ptr / stride_o_s / stride_o_h address out for the
+# ragged-tile store; dense passes None for all of them (compile-time constants, no code).
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group",
+                              "stride_o_s", "stride_o_h"])
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h,
                           seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o_ptr, stride_o_s, stride_o_h,
                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                          PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr):
+                          PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
+                          IS_VARLEN: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -362,27 +499,34 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
             (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                       seqlen_q, seqlen_k, nheads, head_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+                       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
+                       BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
             (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
             (_consumer2, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG)),
+                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                       seqlen_q, seqlen_k, nheads, head_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+                       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
+                       BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -403,39 +547,73 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: bool,
-                            config: GluonFwdConfig) -> None:
+                            config: GluonFwdConfig, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                            seqused_q=None, seqused_k=None, max_seqlen_q=None) -> None:
     """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
-    q, out: (b, sq, h, d); k, v: (b, sk, hk, d); lse: (b, h, sq) float32. See supported()."""
-    _launch(q, k, v, out, lse, softmax_scale, causal, config)
+
+    Dense: q, out (b, sq, h, d); k, v (b, sk, hk, d); lse (b, h, sq) float32.
+    Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, out (1, total_q, h, d),
+    k, v (1, total_k, hk, d), lse (h, total_q) float32; cu_seqlens_q / cu_seqlens_k int32 (batch + 1,)
+    prefix sums; seqused_q / seqused_k optional int32 (batch,): sequence b uses only the first
+    seqused[b] of its rows / keys; its rows past seqused_q[b] get out 0 and lse -inf (like rows that
+    see no key). max_seqlen_q (host int, at least the longest cu_seqlens_q span) sizes the grid;
+    None reads it from cu_seqlens_q (a device sync). Causal is bottom-right aligned per sequence.
+    Keys and values past a sequence's used keys (the next sequence's, or unused slots) are read and
+    masked out; they must be finite (a NaN value times probability 0 is still NaN). See supported()."""
+    _launch(q, k, v, out, lse, softmax_scale, causal, config, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q)
 
 
-def _launch(q, k, v, out, lse, softmax_scale, causal, config):
+def _launch(q, k, v, out, lse, softmax_scale, causal, config, **varlen):
     """Launches and returns the compiled kernel (the probe reads its register/spill counts)."""
-    return make_launcher(q, k, v, out, lse, softmax_scale, causal, config)()
+    return make_launcher(q, k, v, out, lse, softmax_scale, causal, config, **varlen)()
 
 
-def make_launcher(q, k, v, out, lse, softmax_scale, causal, config):
-    """A zero-argument launch with the TMA descriptors built once (timing without host overhead)."""
+def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                  seqused_q=None, seqused_k=None, max_seqlen_q=None):
+    """A zero-argument launch with the TMA descriptors built once (timing without host overhead).
+    Arguments as gluon_attention_forward's."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = config
     assert lse.stride(-1) == 1 and out.stride(-1) == 1
     assert not cfg.pingpong or cfg.num_consumers >= 2
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+        assert cu_seqlens_k.numel() == cu_seqlens_q.numel() and lse.dim() == 2
+        for t in (seqused_q, seqused_k):
+            assert t is None or (t.dtype == torch.int32 and t.numel() == cu_seqlens_q.numel() - 1)
+        n_seqs = cu_seqlens_q.numel() - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n_seqs > 0 else 0
+        # (query block, head, sequence); lse is (h, total_q), the sequence offset is added in the kernel.
+        grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, n_seqs)
+        lse_strides = (0, lse.stride(0))
+        out_args = (out, out.stride(1), out.stride(2))
+    else:
+        assert cu_seqlens_k is None and seqused_q is None and seqused_k is None
+        # Query blocks of one head are adjacent in launch order so they share K/V in L2.
+        grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
+        lse_strides = (lse.stride(0), lse.stride(1))
+        out_args = (None, None, None)
+    if min(grid) == 0:
+        return lambda: None
 
     q_desc = _descriptor(q, ROWS_PER_CONSUMER)
     o_desc = _descriptor(out, ROWS_PER_CONSUMER)
     k_desc = _descriptor(k, cfg.block_n)
     v_desc = _descriptor(v, cfg.block_n)
-    # Query blocks of one head are adjacent in launch order so they share K/V in L2.
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
 
     def launch():
         return gluon_attn_fwd_kernel[grid](
-            q_desc, k_desc, v_desc, o_desc, lse, lse.stride(0), lse.stride(1),
+            q_desc, k_desc, v_desc, o_desc, lse, *lse_strides,
             seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *out_args,
             BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
             CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
-            CAUSAL=bool(causal), SCALE_POSITIVE=softmax_scale > 0,
+            CAUSAL=bool(causal), SCALE_POSITIVE=softmax_scale > 0, IS_VARLEN=varlen,
             num_warps=4,
         )
     return launch
