@@ -201,7 +201,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_
 @gluon.jit
 def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                   SCALE_POSITIVE: gl.constexpr, s_layout: gl.constexpr):
+                   s_layout: gl.constexpr):
     """Online-softmax update for one score block. Returns (p, alpha, m_new, l_new); m is in
     scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2."""
     if MASK:
@@ -210,10 +210,9 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
         if CAUSAL:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag, 1))
         s = gl.where(keep, s, float("-inf"))
-    if SCALE_POSITIVE:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s * qk_scale_log2, axis=1))
+    # max(s) * scale is the max of the scaled scores because the scale is positive (the host
+    # sends other scales to the portable kernels).
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
     if MASK:
         # A row with every key masked so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -229,7 +228,7 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
 def _pipelined_blocks(q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
                       acc, p_op, m_i, l_i, j_start, j_end, rows, seqlen_k, diag, qk_scale_log2,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       s_layout: gl.constexpr, p_layout: gl.constexpr):
     """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, run the
     softmax of S_j while the PV wgmma is in flight."""
@@ -257,7 +256,7 @@ def _pipelined_blocks(q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 
         s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(stage))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                            BLOCK_N, MASK, CAUSAL, SCALE_POSITIVE, s_layout)
+                                            BLOCK_N, MASK, CAUSAL, s_layout)
         acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_prev])
         mbarrier.arrive(v_empty.index(prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
@@ -270,7 +269,7 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
+             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -311,7 +310,7 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
         s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(0))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2,
-                                            BLOCK_N, True, CAUSAL, SCALE_POSITIVE, s_layout)
+                                            BLOCK_N, True, CAUSAL, s_layout)
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
 
         # Mask-free blocks, then the blocks on the diagonal / ragged end.
@@ -319,11 +318,11 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
             1, split, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, False, CAUSAL, SCALE_POSITIVE, PINGPONG, s_layout, p_layout)
+            BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
             split, n_total, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, True, CAUSAL, SCALE_POSITIVE, PINGPONG, s_layout, p_layout)
+            BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout)
 
         # Drain: O += P_last V_last.
         last = n_total - 1
@@ -391,7 +390,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
               CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr):
     start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
@@ -403,13 +402,13 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
             _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                      stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
-                     CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN,
+                     CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
                      seqused_q is not None)
     else:
         _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                  stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                  start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
-                 CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN, False)
+                 CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False)
 
 
 @gluon.jit
@@ -417,12 +416,12 @@ def _consumer0(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
                stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
                seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                IS_VARLEN: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)
+              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)
 
 
 @gluon.jit
@@ -430,12 +429,12 @@ def _consumer1(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
                stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
                seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                IS_VARLEN: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)
+              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)
 
 
 @gluon.jit
@@ -443,12 +442,12 @@ def _consumer2(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
                stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
                seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr, PINGPONG: gl.constexpr,
+               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                IS_VARLEN: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)
+              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,7 +465,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o_ptr, stride_o_s, stride_o_h,
                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                          PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_POSITIVE: gl.constexpr,
+                          PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
                           IS_VARLEN: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
@@ -501,11 +500,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
             (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
             (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
                        BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
@@ -515,15 +514,15 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
             (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
             (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
             (_consumer2, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, SCALE_POSITIVE, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
                        BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
@@ -578,6 +577,7 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     cfg = config
     assert lse.stride(-1) == 1 and out.stride(-1) == 1
     assert not cfg.pingpong or cfg.num_consumers >= 2
+    assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
     varlen = cu_seqlens_q is not None
     if varlen:
         assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
@@ -613,7 +613,7 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *out_args,
             BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
             CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
-            CAUSAL=bool(causal), SCALE_POSITIVE=softmax_scale > 0, IS_VARLEN=varlen,
+            CAUSAL=bool(causal), IS_VARLEN=varlen,
             num_warps=4,
         )
     return launch

@@ -160,12 +160,18 @@ def row_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDesc
 def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> Optional[Config]:
     """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
     call, else None: the call runs on the portable Triton kernels."""
-    if q.device.type != "cuda" or portable_only() or not params.plain or seqs is not None:
+    if q.device.type != "cuda" or portable_only() or not params.plain:
+        return None
+    if seqs is not None and (kernel != FWD_GLUON or seqs.seqused_k is not None):
+        # The Gluon forward reads whole key tiles past a sequence's end and masks them; slots past
+        # seqused_k may hold anything (NaN * 0 is NaN), so those go to the portable kernels,
+        # which do not load them.
         return None
     portable = (FWD,) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
     if any(overridden(name) for name in portable) and not overridden(kernel):
         return None  # an explicit portable config was asked for
-    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, k.shape[1], q.dtype)
+    _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
+    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
     if cfg is None:
         return None
     # Imported on sm90 only (Gluon has no CPU interpreter).
@@ -182,10 +188,15 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     if out.numel() == 0:
         return
     gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
-    if gluon_cfg is not None:
+    if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
         from .gluon_forward import gluon_attention_forward
 
-        gluon_attention_forward(q, k, v, out, lse, params.softmax_scale, params.causal, gluon_cfg)
+        if seqs is None:
+            gluon_attention_forward(q, k, v, out, lse, params.softmax_scale, params.causal, gluon_cfg)
+        else:
+            gluon_attention_forward(q, k, v, out, lse[0], params.softmax_scale, params.causal, gluon_cfg,
+                                    cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
+                                    seqused_q=seqs.seqused_q, max_seqlen_q=seqs.max_seqlen_q)
         return
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
     cfg = get_config(FWD, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
