@@ -8,6 +8,7 @@ hard-codes a tile size.
 """
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -239,6 +240,7 @@ def get_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seql
     return table_config(kernel, arch, head_dim, causal, seqlen_k, dtype)
 
 
+@functools.lru_cache(maxsize=4096)  # the tables are constant; called on every attention call
 def table_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
                  dtype: Optional[torch.dtype] = None) -> Optional[Config]:
     """The committed tables alone (no override)."""

@@ -35,8 +35,9 @@ def attn_bwd_preprocess_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, _, seqlen_q, _ = sequence_bounds(b, seqlen_q, 0, CuSeqlensQ, CuSeqlensQ, SeqUsedQ, None, IS_VARLEN)
-    if start_m >= seqlen_q:
-        return
+    if IS_VARLEN:  # the grid fits the longest sequence (dense grids are exact)
+        if start_m >= seqlen_q:
+            return
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = load_tile(Out + b.to(tl.int64) * stride_ob + q_start * stride_os + h.to(tl.int64) * stride_oh,
@@ -128,8 +129,9 @@ def attn_bwd_dkdv_kernel(
     total_q = seqlen_q
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
                                                            SeqUsedQ, SeqUsedK, IS_VARLEN)
-    if start_n >= seqlen_k:
-        return
+    if IS_VARLEN:  # the grid fits the longest sequence (dense grids are exact)
+        if start_n >= seqlen_k:
+            return
     diag = seqlen_k - seqlen_q
 
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -241,8 +243,9 @@ def attn_bwd_dq_kernel(
     total_q = seqlen_q
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
                                                            SeqUsedQ, SeqUsedK, IS_VARLEN)
-    if start_m >= seqlen_q:
-        return
+    if IS_VARLEN:  # the grid fits the longest sequence (dense grids are exact)
+        if start_m >= seqlen_q:
+            return
     diag = seqlen_k - seqlen_q
 
     rows = start_m + tl.arange(0, BLOCK_M)

@@ -96,8 +96,11 @@ def attn_fwd_kernel(
     total_q = seqlen_q
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
                                                            SeqUsedQ, SeqUsedK, IS_VARLEN)
-    if start_m >= seqlen_q:
-        return  # varlen: this query block is past its sequence's end (the grid fits the longest)
+    if IS_VARLEN:
+        # The grid fits the longest sequence. (Dense grids are exact; an early return there
+        # also breaks Triton's warp specialization of the key loop.)
+        if start_m >= seqlen_q:
+            return
     diag = seqlen_k - seqlen_q
 
     if USE_TMA:

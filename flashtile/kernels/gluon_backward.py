@@ -40,9 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .hopper import qkv_supported, tma_aligned
+from .direct_launch import direct_launch
+from .hopper import gluon_descriptor, gluon_row_descriptor, qkv_supported, tma_aligned
 from ..configs import GluonBwdConfig
 
 LOG2E = 1.4426950408889634
@@ -79,7 +79,6 @@ CANDIDATES = {
     },
 }
 
-_TORCH_TO_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @builtin
@@ -217,7 +216,12 @@ def _query_blocks(it, dk, dv, m_start, m_stop, head, batch, key0, q_smem, do_sme
         # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in
         # float32 dies before the dV/dK operands are materialised).
         dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_mine, do_buf])
-        ds = (p * dp_minus_delta).to(dtype)
+        ds = p * dp_minus_delta
+        if MASK:
+            # Rows past seqlen_q read delta from row padding or later rows (anything, NaN
+            # included): P = 0 there is not enough, 0 * NaN is NaN.
+            ds = gl.where(keep, ds, 0.0)
+        ds = ds.to(dtype)
         p_op = gl.convert_layout(p.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
         ds_op = gl.convert_layout(ds, a_layout)
@@ -495,6 +499,8 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, batch, start_n, q_smem
         dp, _, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_chunks, do_tiles, do_smem])
         delta = delta_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
         ds = p * (dp - gl.expand_dims(delta, 0))
+        if MASK:
+            ds = gl.where(keep, ds, 0.0)  # delta past seqlen_q may be anything (see _query_blocks)
 
         # Publish this warpgroup's columns of P^T and dS^T.
         ds_phase = (it // 2) & 1
@@ -697,6 +703,12 @@ def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seq
     tl.store(dq_ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=ok)
 
 
+# Launched through the compiled kernels' launchers after the first call (host time).
+_KERNEL = direct_launch(gluon_attn_bwd_kernel)
+_D256_KERNEL = direct_launch(gluon_attn_bwd_d256_kernel)
+_CONVERT_KERNEL = direct_launch(gluon_bwd_dq_convert_kernel)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -719,23 +731,6 @@ def grads_supported(dout, dq, dk, dv) -> bool:
     return all(tma_aligned(t) for t in (dout, dk, dv))
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int = None) -> TensorDescriptor:
-    """4-D TMA descriptor over a (b, s, h, d) view, one (1, rows, 1, cols) box per copy."""
-    block = [1, rows, 1, cols or t.shape[-1]]
-    gdtype = gl.float32 if t.dtype == torch.float32 else _TORCH_TO_GL[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """1-D TMA descriptor over the float32 buffer under a (b, h, sq) view with unit row stride
-    and rows padded to a multiple of 4 (whole buffer: h * row stride per batch entry);
-    unswizzled boxes of `rows` values."""
-    flat = t.as_strided((t.shape[0] * t.stride(0),), (1,))
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor(flat, [flat.numel()], [1], [rows], layout)
-
-
 def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale: float, causal: bool,
                              config: GluonBwdConfig) -> None:
     """dq, dk, dv <- gradients of softmax(q k^T * softmax_scale) v (written in place; they may be
@@ -749,30 +744,30 @@ def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
     """(TMA descriptors in kernel order, kernel, keys per CTA, extra constexprs) for one head dim.
     The loader's Q/dO/K/V boxes are whole rows of the head dim at every head dim."""
     head_dim = q.shape[-1]
-    q_desc = _descriptor(q, cfg.block_m)
-    do_desc = _descriptor(dout, cfg.block_m)
-    k_desc = _descriptor(k, KEYS_PER_CONSUMER)
-    v_desc = _descriptor(v, KEYS_PER_CONSUMER)
+    q_desc = gluon_descriptor(q, cfg.block_m)
+    do_desc = gluon_descriptor(dout, cfg.block_m)
+    k_desc = gluon_descriptor(k, KEYS_PER_CONSUMER)
+    v_desc = gluon_descriptor(v, KEYS_PER_CONSUMER)
     # lse / delta: 1-D boxes over the flat arrays (no 16-byte row-stride condition on seqlen_q).
-    lse_desc = _row_descriptor(lse_log2, cfg.block_m)
-    delta_desc = _row_descriptor(delta, cfg.block_m)
+    lse_desc = gluon_row_descriptor(lse_log2, cfg.block_m)
+    delta_desc = gluon_row_descriptor(delta, cfg.block_m)
     if head_dim == 256:
         # Each warpgroup stores its half of the head dim of dK, dV (staged in its half of the K,
         # V tiles) and reduce-adds dQ in (block_m, 64) float32 tiles.
         half = head_dim // NUM_CONSUMERS
-        dk_desc = _descriptor(dk, KEYS_PER_CONSUMER, half)
-        dv_desc = _descriptor(dv, KEYS_PER_CONSUMER, half)
-        dq_desc = _descriptor(dq_acc, cfg.block_m, _DQ_N.value)
+        dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER, half)
+        dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER, half)
+        dq_desc = gluon_descriptor(dq_acc, cfg.block_m, _DQ_N.value)
         descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-        return descs, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap}
+        return descs, _D256_KERNEL, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap}
     dq_cols = head_dim if cfg.dq_split_m else head_dim // NUM_CONSUMERS
-    dk_desc = _descriptor(dk, KEYS_PER_CONSUMER)
-    dv_desc = _descriptor(dv, KEYS_PER_CONSUMER)
-    dq_desc = _descriptor(dq_acc, KEYS_PER_CONSUMER, dq_cols)
+    dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER)
+    dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER)
+    dq_desc = gluon_descriptor(dq_acc, KEYS_PER_CONSUMER, dq_cols)
     # K/V staging doubles as the dK/dV store source: same box, same layout.
     assert k_desc.layout == dk_desc.layout and v_desc.layout == dv_desc.layout
     descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-    return descs, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m}
+    return descs, _KERNEL, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m}
 
 
 def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config):
@@ -817,15 +812,16 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
 
     def launch():
         dq_acc.zero_()
+        # Parameters positionally (the fastest launch, see direct_launch.py); the constexprs are
+        # BLOCK_M, NUM_STAGES, CONSUMER_REGS, LOADER_REGS, CAUSAL and the kernel's own extra one.
         kernel = kernel_fn[grid](
             *descs, seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E,
-            softmax_scale,
-            BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
-            LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), num_warps=4, **extra,
+            softmax_scale, cfg.block_m, cfg.num_stages, cfg.consumer_regs, cfg.loader_regs, bool(causal),
+            *extra.values(), num_warps=4,
         )
-        gluon_bwd_dq_convert_kernel[convert_grid](
+        _CONVERT_KERNEL[convert_grid](
             dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale,
-            HEAD_DIM=head_dim, BLOCK_S=convert_block, num_warps=4,
+            head_dim, convert_block, num_warps=4,  # HEAD_DIM, BLOCK_S
         )
         if dk is not dk_out:
             dk_out.copy_(dk)

@@ -41,8 +41,9 @@ def attn_probs_kernel(
     total_q = seqlen_q
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
                                                            SeqUsedQ, SeqUsedK, IS_VARLEN)
-    if start_m >= seqlen_q:
-        return
+    if IS_VARLEN:  # the grid fits the longest sequence (dense grids are exact)
+        if start_m >= seqlen_q:
+            return
     diag = seqlen_k - seqlen_q
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

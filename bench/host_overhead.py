@@ -1,0 +1,172 @@
+"""Host (CPU) cost per call of flashtile's entry points, next to torch SDPA's, on the GPU.
+
+    PYTHONPATH=<repo> python bench/host_overhead.py [--out DIR] [--head-dim 128] [--profile]
+
+At a tiny shape the GPU finishes each kernel in a few microseconds, so back-to-back calls
+without synchronisation measure what the host spends per call (Python, argument checks,
+descriptor set-up, launch). Short attention calls (seqlen ~1k, causal) are bound by it: a
+forward that takes 40 us on the GPU cannot run faster than its host cost. Also times the
+pieces of the Hopper forward's dispatch and, with --profile, prints cProfile's top entries.
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+
+import torch
+import triton
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+CALLS = 300
+
+
+def per_call_us(fn, calls=CALLS):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def dissect_jit_launch(fn, launch):
+    """Where a JIT launch's host time goes: binding/specialising the arguments, then the
+    compiled kernel's launcher (which also encodes the TMA descriptors)."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    from triton.runtime.driver import driver
+
+    captured = {}
+    real_run = fn.run
+
+    def capture(*args, **kwargs):
+        captured.update(args=args, kwargs=kwargs)
+        return real_run(*args, **kwargs)
+    fn.run = capture
+    try:
+        compiled = launch()
+    finally:
+        fn.run = real_run
+    args, kwargs = captured["args"], dict(captured["kwargs"])
+    grid = kwargs.pop("grid")
+    kwargs.pop("warmup")
+    kwargs["debug"] = False
+    kwargs["instrumentation_mode"] = ""
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    binder = fn.device_caches[device][4]
+    bound, _, _ = binder(*args, **kwargs)
+    values = list(bound.values())
+
+    def direct():
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                     None, *values)
+    descs = [a for a in values if hasattr(a, "block_shape")]
+    meta = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descs)
+    return {
+        "  jit: bind + specialise args": per_call_us(lambda: binder(*args, **kwargs)),
+        "  compiled.run (bound args)": per_call_us(direct),
+        f"  encode {len(descs)} TMA descriptors": per_call_us(
+            lambda: [make_tensordesc_arg(a, m) for a, m in zip(descs, meta)]),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=128)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+
+    from flashtile import flash_attn_func
+    from flashtile.configs import FWD_GLUON
+    from flashtile.kernels import launch
+
+    d, s = args.head_dim, args.seqlen
+    # The SM clock idles low: a second of matmuls first, so the GPU side is at full speed.
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:
+        a @ a
+    torch.cuda.synchronize()
+    q, k, v = (torch.randn(1, s, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    rows = {}
+    rows["flashtile fwd"] = per_call_us(lambda: flash_attn_func(q, k, v))
+    rows["flashtile fwd causal"] = per_call_us(lambda: flash_attn_func(q, k, v, causal=True))
+    for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa fa2", SDPBackend.FLASH_ATTENTION)):
+        with sdpa_kernel(backend):
+            rows[f"{name} fwd causal"] = per_call_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def fwd_bwd():
+        out = flash_attn_func(qg, kg, vg, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+    rows["flashtile fwd+bwd causal"] = per_call_us(fwd_bwd, 100)
+    qtg, ktg, vtg = (t.detach().clone().requires_grad_() for t in (qt, kt, vt))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        def sdpa_fwd_bwd():
+            out = F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True)
+            torch.autograd.grad(out, (qtg, ktg, vtg), dout.transpose(1, 2))
+        rows["sdpa cudnn fwd+bwd causal"] = per_call_us(sdpa_fwd_bwd, 100)
+
+    # Pieces of the forward's Hopper dispatch.
+    params = launch.ScoreParams(softmax_scale=d ** -0.5, window_right=0)
+    out = torch.empty_like(q)
+    lse = torch.empty((1, 2, s), device="cuda", dtype=torch.float32)
+    rows["  ScoreParams + checks (interface)"] = per_call_us(
+        lambda: flash_attn_func.__globals__["_score_params"](q, k, 0.0, None, True, (-1, -1), 0.0, None))
+    rows["  torch.empty x2"] = per_call_us(lambda: (torch.empty_like(q), torch.empty((1, 2, s), device="cuda")))
+    rows["  gluon_config"] = per_call_us(lambda: launch.gluon_config(FWD_GLUON, q, k, v, params))
+    cfg = launch.gluon_config(FWD_GLUON, q, k, v, params)
+    if cfg is not None:
+        from flashtile.kernels import gluon_forward as gf
+        rows["  make_launcher (descriptors)"] = per_call_us(
+            lambda: gf.make_launcher(q, k, v, out, lse, params.softmax_scale, True, cfg))
+        launcher = gf.make_launcher(q, k, v, out, lse, params.softmax_scale, True, cfg)
+        rows["  gluon launch, descriptors built"] = per_call_us(launcher)
+        rows["  attention_forward"] = per_call_us(lambda: launch.attention_forward(q, k, v, out, lse, params))
+
+        def launch_and_sync():
+            launcher()
+            torch.cuda.synchronize()
+        rows["  gluon launch + synchronize"] = per_call_us(launch_and_sync)
+        rows["  gluon kernel GPU time (do_bench)"] = triton.testing.do_bench(launcher, warmup=50, rep=200) * 1e3
+        rows.update(dissect_jit_launch(gf.gluon_attn_fwd_kernel, launcher))
+    from flashtile.configs import override
+    with override(fwd_gluon=None):
+        rows["portable fwd causal"] = per_call_us(lambda: flash_attn_func(q, k, v, causal=True))
+
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            flash_attn_func(q, k, v, causal=True)
+        prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        print(buf.getvalue())
+
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, head_dim=d, seqlen=s,
+                calls=CALLS, unit="microseconds of host time per call")
+    with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"host time per call, (1, {s}, 2, {d}) bf16, {meta['gpu']}")
+    for name, us in rows.items():
+        print(f"  {name:<36} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
