@@ -51,8 +51,9 @@ def captured_call(build):
     return cap.args, cap.kwargs
 
 
-def compile_sm90(args, kwargs) -> dict:
-    kernel = gf.gluon_attn_fwd_kernel
+def compile_sm90(args, kwargs, kernel=None) -> dict:
+    """Compile kernel (default: the Gluon forward) for sm90 with these call arguments."""
+    kernel = kernel or gf.gluon_attn_fwd_kernel
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
@@ -68,10 +69,16 @@ def compile_sm90(args, kwargs) -> dict:
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    # The PTX without debug info (.loc lines, scope labels, DWARF sections): ptxas is not always
+    # deterministic (the d256 backward's SASS differs run to run), so equal code is best judged here.
+    code = compiled.asm["ptx"].split(".section\t.debug")[0]
+    code = "\n".join(line for line in code.splitlines()
+                     if not re.match(r"\s*(\.loc|\.file)\b", line) and not re.match(r"\$L__tmp\d+:$", line))
     body = "\n".join(line for line in sass.splitlines() if "Function" not in line and "code for" not in line)
     return {"shared": compiled.metadata.shared, "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
             "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
-            "sass_lines": body.count("\n"), "sass_sha1": hashlib.sha1(body.encode()).hexdigest()[:12]}
+            "sass_lines": body.count("\n"), "sass_sha1": hashlib.sha1(body.encode()).hexdigest()[:12],
+            "ptx_sha1": hashlib.sha1(code.encode()).hexdigest()[:12]}
 
 
 def variants(d, cfg, causal, dtype):
@@ -101,7 +108,7 @@ def main():
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     rows = []
     print(f"{'d':>4} {'config':16s} {'causal':>6} {'variant':18s} {'shared':>7} {'regs':>4} {'spill st/ld':>11} "
-          f"{'sass':>6} sha1")
+          f"{'sass':>6} sha1         ptx sha1")
     for d in (int(x) for x in args.head_dims.split(",")):
         configs = {"default": table_config(FWD_GLUON, "sm90", d, causal=False, seqlen_k=16384)}
         if args.candidates:
@@ -113,7 +120,8 @@ def main():
                     r.update(head_dim=d, config=cname, causal=causal, variant=vname)
                     rows.append(r)
                     print(f"{d:>4} {cname:16s} {int(causal):>6} {vname:18s} {r['shared']:>7} {r['regs']:>4} "
-                          f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['sass_lines']:>6} {r['sass_sha1']}",
+                          f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['sass_lines']:>6} {r['sass_sha1']} "
+                          f"{r['ptx_sha1']}",
                           flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -24,6 +24,20 @@ Head dim 256 has its own consumer (gluon_attn_bwd_d256_kernel, same loader and b
 Causal: a key block only visits the query blocks that see it; only those on the diagonal (or a
 ragged key block) pay for the mask. Rows past seqlen_q need no mask: TMA zero-fills Q, dO and
 lse loads as +inf, so their P is exactly 0; the reduce-add and the dK/dV stores clip.
+
+Varlen (IS_VARLEN, flash_attn_varlen_func's packed layout): the host passes the packed tensors as
+batch-1 views (1, total, h, d), so the same descriptors serve; the grid's third axis is the
+sequence, the first covers its longest key range, and every partition reads the sequence's
+offsets and lengths from cu_seqlens (programs past a sequence's keys exit, all partitions on the
+same condition). TMA coordinates are offset by the sequence's first row / key. Tiles running past
+a sequence's end read the next sequence's rows: keys past it are masked (the ragged key block
+takes the masked path), query rows past it are masked too, so their P and dS are exactly 0 and
+their dQ rows add zeros into the next sequence's accumulator rows. lse / delta rows start at any
+offset (a 1-D TMA box must start 16-byte aligned), so the loader warp reads them with plain loads
+(+inf / 0 past the sequence) into the slot before arriving on its ready barrier; the consumers'
+code is the dense one. dK / dV of a sequence's ragged last key tile are stored from registers
+with a row mask (a TMA box would overwrite the next sequence's rows); the dQ convert stops at
+the packed total. The dense path compiles to the same PTX as without varlen (behind constexprs).
 """
 
 import torch
@@ -122,44 +136,130 @@ def _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
+def _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q, seqlen_k, IS_VARLEN: gl.constexpr):
+    """(tma_batch, q_start, k_start, seqlen_q, seqlen_k) of this program's sequence: the TMA batch
+    coordinate, the sequence's first query row and first key in the tensors, and its query rows and
+    keys. Dense: the batch entry, offsets 0. Varlen: the sequence is program_id(2) of a packed
+    batch-1 tensor; with seqused_q it uses only its first seqused_q[b] rows."""
+    batch = gl.program_id(2)
+    if IS_VARLEN:
+        tma_batch = 0
+        q_start = gl.load(cu_seqlens_q + batch)
+        k_start = gl.load(cu_seqlens_k + batch)
+        seqlen_k = gl.load(cu_seqlens_k + batch + 1) - k_start
+        seqlen_q = gl.load(cu_seqlens_q + batch + 1) - q_start
+        if seqused_q is not None:
+            seqlen_q = gl.maximum(gl.minimum(gl.load(seqused_q + batch), seqlen_q), 0)
+    else:
+        tma_batch = batch
+        q_start = 0
+        k_start = 0
+    return tma_batch, q_start, k_start, seqlen_q, seqlen_k
+
+
+@gluon.jit
+def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                 lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
+                 k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
+                 BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
+    NKV: gl.constexpr = k_smem.shape[0]
+    BN: gl.constexpr = NKV * _KPC
+    mbarrier.expect(kv_ready, 2 * NKV * kv_desc_k.block_type.nbytes)
+    for c in gl.static_range(NKV):
+        tma.async_copy_global_to_shared(kv_desc_k, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
+                                        k_smem.index(c))
+        tma.async_copy_global_to_shared(kv_desc_v, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
+                                        v_smem.index(c))
+
+    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL)
+    if IS_VARLEN:
+        # lse / delta rows of a sequence start at any q_start, and a 1-D TMA box must start 16-byte
+        # aligned: this warp loads them itself (rows past the sequence: lse +inf, so P = 0) and
+        # stores them into the slot before it arrives on the slot's ready barrier.
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+        row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        offs = gl.arange(0, BLOCK_M, layout=row_layout)
+    else:
+        q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    it = 0
+    for g in range(head_group):
+        head = kv_head * head_group + g
+        if IS_VARLEN:
+            # lse / delta: (1, h, total_q) rows lse_row_stride apart.
+            row_base = head * lse_row_stride + q_start
+        else:
+            # lse / delta: (b, h, sq) rows lse_row_stride apart (a multiple of 4: 16-byte aligned boxes).
+            row_base = (batch * nheads + head) * lse_row_stride
+        for m in range(m_lo, m_end):
+            slot = it % NUM_STAGES
+            if IS_VARLEN:
+                # Issued before the wait for the slot: the latency hides behind it.
+                rows = m * BLOCK_M + offs
+                in_seq = rows < seqlen_q
+                lse = gl.load(lse_ptr + row_base + rows, mask=in_seq, other=float("inf"))
+                delta = gl.load(delta_ptr + row_base + rows, mask=in_seq, other=0.0)
+            # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
+            mbarrier.wait(q_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+            if IS_VARLEN:
+                lse_smem.index(slot).store(lse)
+                delta_smem.index(slot).store(delta)
+                # Every lane's stores precede the (one-thread, release) arrive below.
+                gl.thread_barrier()
+            mbarrier.expect(q_ready.index(slot), q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
+                                            q_smem.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
+                                            do_smem.index(slot))
+            if not IS_VARLEN:
+                tma.async_copy_global_to_shared(lse_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
+                                                lse_smem.index(slot))
+                tma.async_copy_global_to_shared(delta_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
+                                                delta_smem.index(slot))
+            it += 1
+
+
+@gluon.jit
 def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
             lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
-            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
     # The key block is k_smem.shape[0] tiles of 64 keys (2 at d64/d128, 1 at d256).
     NKV: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = NKV * _KPC
     start_n = gl.program_id(0) * BN
     kv_head = gl.program_id(1)
     batch = gl.program_id(2)
+    tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
+                                                                seqlen_k, IS_VARLEN)
+    if IS_VARLEN:
+        # The grid covers the longest sequence: a key block past this one's keys has no work (the
+        # consumers skip it on the same condition, so no barrier is left waiting).
+        if start_n < seqlen_k:
+            _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                         v_smem, lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch,
+                         tma_batch, q_start, k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
+                         lse_ptr, delta_ptr, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)
+    else:
+        _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                     lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
+                     k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
+                     BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)
 
-    mbarrier.expect(kv_ready, 2 * NKV * kv_desc_k.block_type.nbytes)
-    for c in gl.static_range(NKV):
-        tma.async_copy_global_to_shared(kv_desc_k, [batch, start_n + c * _KPC, kv_head, 0], kv_ready,
-                                        k_smem.index(c))
-        tma.async_copy_global_to_shared(kv_desc_v, [batch, start_n + c * _KPC, kv_head, 0], kv_ready,
-                                        v_smem.index(c))
 
-    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL)
-    it = 0
-    for g in range(head_group):
-        head = kv_head * head_group + g
-        # lse / delta: (b, h, sq) rows lse_row_stride apart (a multiple of 4: 16-byte aligned boxes).
-        row_base = (batch * nheads + head) * lse_row_stride
-        for m in range(m_lo, m_end):
-            slot = it % NUM_STAGES
-            # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
-            mbarrier.wait(q_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, m * BLOCK_M, head, 0], q_ready.index(slot),
-                                            q_smem.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [batch, m * BLOCK_M, head, 0], q_ready.index(slot),
-                                            do_smem.index(slot))
-            tma.async_copy_global_to_shared(lse_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
-                                            lse_smem.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
-                                            delta_smem.index(slot))
-            it += 1
+@gluon.jit
+def _store_rows(ptr, stride_s, stride_h, row0, head, col0, vals, n_rows, layout: gl.constexpr):
+    """Rows [0, n_rows) of the register tile vals to (s, h, d) memory at row row0, column col0, one
+    head (a ragged tile at a sequence's end, which a TMA box would write past). The tensor has a TMA
+    descriptor, so its strides are multiples of 8 elements: spelled out (x // 8 * 8) so the
+    compiler can vectorize."""
+    R: gl.constexpr = vals.shape[0]
+    C: gl.constexpr = vals.shape[1]
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    row_off = (row0 + rows).to(gl.int64) * (stride_s // 8 * 8) + head.to(gl.int64) * (stride_h // 8 * 8) + col0
+    ptrs = ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, vals, mask=gl.expand_dims(rows < n_rows, 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,8 +267,8 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _query_blocks(it, dk, dv, m_start, m_stop, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-                  v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
+def _query_blocks(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem,
+                  k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
                   seqlen_q, seqlen_k, qk_scale_log2,
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
@@ -256,19 +356,20 @@ def _query_blocks(it, dk, dv, m_start, m_stop, head, batch, key0, q_smem, do_sme
         dq_stage.reshape([_KPC, DQ_N]).store(dq)
         fence_async_shared()
         if DQ_SPLIT_M:
-            _tma_reduce_add(dq_desc, [batch, start_m + CONSUMER * _KPC, head, 0], dq_stage)
+            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m + CONSUMER * _KPC, head, 0], dq_stage)
         else:
-            _tma_reduce_add(dq_desc, [batch, start_m, head, CONSUMER * DQ_N], dq_stage)
+            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, CONSUMER * DQ_N], dq_stage)
         it += 1
     return it, dk, dv
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-              ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-              seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                  q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head, tma_batch, q_start,
+                  k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
+                  dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                  CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     DQ_N: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -281,9 +382,6 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
     # S^T accumulator layout, so the conversion moves no data.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-    start_n = gl.program_id(0) * _BN
-    kv_head = gl.program_id(1)
-    batch = gl.program_id(2)
     key0 = start_n + CONSUMER * _KPC
     m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL)
 
@@ -294,66 +392,126 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
     for g in range(head_group):
         head = kv_head * head_group + g
         it, dk, dv = _query_blocks(
-            it, dk, dv, m_lo, m_full, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
-            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+            it, dk, dv, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+            v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout)
         it, dk, dv = _query_blocks(
-            it, dk, dv, m_full, m_tail, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
-            CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
+            it, dk, dv, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+            v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout)
         it, dk, dv = _query_blocks(
-            it, dk, dv, m_tail, m_end, head, batch, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
-            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+            it, dk, dv, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+            v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout)
 
     # The other warpgroup's dQ wgmmas read our K tile: wait until both are done, then stage
     # dK, dV in the K, V tiles and store them with TMA (rows past seqlen_k are clipped).
     mbarrier.arrive(done)
     mbarrier.wait(done, 0)
+    if IS_VARLEN:
+        if key0 + _KPC <= seqlen_k:
+            _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, k_start + key0, kv_head, 0,
+                            softmax_scale, CONSUMER)
+        else:
+            # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
+            _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + key0, kv_head, 0,
+                        (dk * softmax_scale).to(k_smem.dtype), seqlen_k - key0, acc_layout)
+            _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + key0, kv_head, 0, dv.to(v_smem.dtype),
+                        seqlen_k - key0, acc_layout)
+            # The last dQ reduce-add must have read its staging before the CTA exits.
+            tma.store_wait(0)
+    else:
+        _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, key0, kv_head, 0, softmax_scale,
+                        CONSUMER)
+
+
+@gluon.jit
+def _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, row, kv_head, col,
+                    softmax_scale, CONSUMER: gl.constexpr):
+    """Stage this warpgroup's dK, dV tiles in its K, V tiles (free once both warpgroups are done)
+    and store them with TMA; the wait also covers the last dQ reduce-add."""
+    R: gl.constexpr = dk.shape[0]
+    C: gl.constexpr = dk.shape[1]
     k_stage = k_smem.index(CONSUMER)
     v_stage = v_smem.index(CONSUMER)
-    k_stage.reshape([_KPC, HEAD_DIM]).store((dk * softmax_scale).to(k_smem.dtype))
-    v_stage.reshape([_KPC, HEAD_DIM]).store(dv.to(v_smem.dtype))
+    k_stage.reshape([R, C]).store((dk * softmax_scale).to(k_smem.dtype))
+    v_stage.reshape([R, C]).store(dv.to(v_smem.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [batch, key0, kv_head, 0], k_stage)
-    tma.async_copy_shared_to_global(dv_desc, [batch, key0, kv_head, 0], v_stage)
+    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, col], k_stage)
+    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, col], v_stage)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+              ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+              seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+              cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+              stride_dv_h, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
+    start_n = gl.program_id(0) * _BN
+    kv_head = gl.program_id(1)
+    tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
+                                                                seqlen_k, IS_VARLEN)
+    if IS_VARLEN:
+        if start_n < seqlen_k:  # as the loader
+            _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                          q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
+                          tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                          softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                          CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
+    else:
+        _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                      q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
+                      tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                      softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                      CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
 
 
 @gluon.jit
 def _consumer0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+               stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
     _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
               ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-              0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)
+              cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+              stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
 
 
 @gluon.jit
 def _consumer1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+               stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
     _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
               ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-              1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)
+              cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+              stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
+                              "stride_dk_h", "stride_dv_s", "stride_dv_h"])
 def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                           seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
+                          cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                          dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                           BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+                          LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
+                          IS_VARLEN: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -390,14 +548,17 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
         (_consumer0, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                       q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                       seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                      BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)),
+                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)),
         (_consumer1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                       q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                       seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                      BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M)),
+                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
-                   lse_row_stride, BLOCK_M, NUM_STAGES, CAUSAL)),
+                   lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -435,8 +596,8 @@ _DQ_N = gl.constexpr(64)        # dQ columns per reduce-add tile
 
 
 @gluon.jit
-def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem,
-                       k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
+def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem,
+                       delta_smem, k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
                        seqlen_q, seqlen_k, qk_scale_log2,
                        CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                        MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
@@ -539,30 +700,31 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, batch, start_n, q_smem
             dq, _, _ = warpgroup_mma_wait(1, deps=[dq_tok, dst, k_chunks])
             stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [batch, start_m, head, col0], stage_q)
+            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
             dq, _, _ = warpgroup_mma_wait(0, deps=[dq1_tok, dst, k_chunks])
         else:
             dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
             stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [batch, start_m, head, col0], stage_q)
+            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
             dq_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1),
                                    gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
             dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
         mbarrier.arrive(ds_free.index(buf))
         stage_do.reshape([BLOCK_M, _DQ_N]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [batch, start_m, head, col0 + _DQ_N], stage_do)
+        _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0 + _DQ_N], stage_do)
         it += 1
     return it, dk, dv
 
 
 @gluon.jit
-def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
-                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                   seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr):
+def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
+                       q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head, tma_batch,
+                       q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
+                       dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                       CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -571,9 +733,6 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                                                          instr_shape=[16, _D256_HALF, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, _DQ_N, 16])
-    start_n = gl.program_id(0) * _KPC
-    kv_head = gl.program_id(1)
-    batch = gl.program_id(2)
     m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _KPC, CAUSAL)
 
     dk = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
@@ -583,17 +742,17 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     for g in range(head_group):
         head = kv_head * head_group + g
         it, dk, dv = _query_blocks_d256(
-            it, dk, dv, m_lo, m_full, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
-            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+            it, dk, dv, m_lo, m_full, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
+            k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
         it, dk, dv = _query_blocks_d256(
-            it, dk, dv, m_full, m_tail, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
-            CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+            it, dk, dv, m_full, m_tail, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
+            k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
         it, dk, dv = _query_blocks_d256(
-            it, dk, dv, m_tail, m_end, head, batch, start_n, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
-            CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+            it, dk, dv, m_tail, m_end, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
+            k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
 
     # Both warpgroups' scores read all of K and V: wait for both, then stage this warpgroup's
     # dK, dV columns in its halves of the K, V tiles. The last dQ reduce-adds must be done with
@@ -601,45 +760,100 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     mbarrier.arrive(done)
     mbarrier.wait(done, 0)
     tma.store_wait(0)
+    if IS_VARLEN:
+        if start_n + _KPC <= seqlen_k:
+            _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, k_start + start_n, kv_head,
+                                 softmax_scale, CONSUMER)
+        else:
+            # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
+            _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
+                        (dk * softmax_scale).to(dtype), seqlen_k - start_n, acc_layout)
+            _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
+                        dv.to(dtype), seqlen_k - start_n, acc_layout)
+    else:
+        _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, start_n, kv_head, softmax_scale,
+                             CONSUMER)
+
+
+@gluon.jit
+def _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, row, kv_head, softmax_scale,
+                         CONSUMER: gl.constexpr):
+    """Stage this warpgroup's head-dim half of dK, dV in its halves of the K, V tiles and store
+    them with TMA."""
+    dtype: gl.constexpr = k_smem.dtype
     k_stage = k_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dk_desc.layout).index(CONSUMER)
     v_stage = v_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dv_desc.layout).index(CONSUMER)
     k_stage.reshape([_KPC, _D256_HALF]).store((dk * softmax_scale).to(dtype))
     v_stage.reshape([_KPC, _D256_HALF]).store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [batch, start_n, kv_head, CONSUMER * _D256_HALF], k_stage)
-    tma.async_copy_shared_to_global(dv_desc, [batch, start_n, kv_head, CONSUMER * _D256_HALF], v_stage)
+    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], k_stage)
+    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], v_stage)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
+                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                   seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                   cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                   stride_dv_h, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
+    start_n = gl.program_id(0) * _KPC
+    kv_head = gl.program_id(1)
+    tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
+                                                                seqlen_k, IS_VARLEN)
+    if IS_VARLEN:
+        if start_n < seqlen_k:  # as the loader
+            _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
+                               q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
+                               tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                               softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                               CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
+    else:
+        _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
+                           q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
+                           tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+                           softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                           CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
 
 
 @gluon.jit
 def _consumer_d256_0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr):
+                     cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                     stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
     _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
                    q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                    seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                   0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)
+                   cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                   stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
 
 
 @gluon.jit
 def _consumer_d256_1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr):
+                     cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                     stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
     _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
                    q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                    seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                   1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)
+                   cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                   stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
+                              "stride_dk_h", "stride_dv_s", "stride_dv_h"])
 def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                                seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
+                               cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                               dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr):
+                               LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
+                               IS_VARLEN: gl.constexpr):
     gl.static_assert(NUM_STAGES >= 2, "a slot is released one query block late (dQ staging)")
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -676,26 +890,34 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
         (_consumer_d256_0, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                             q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                             seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                            BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)),
+                            cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
+                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)),
         (_consumer_d256_1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                             q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                             seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                            BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP)),
+                            cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
+                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
-                   lse_row_stride, BLOCK_M, NUM_STAGES, CAUSAL)),
+                   lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @triton.jit
-def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seqlen_q, nheads, scale,
+def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seqlen_q, nheads, scale, RowsEnd,
                                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    """dq (strided (b, sq, h, d) view) <- scale * acc (contiguous float32 (b, sq, h, d))."""
+    """dq (strided (b, sq, h, d) view) <- scale * acc (contiguous float32 (b, sq, h, d)).
+    RowsEnd: None, or (varlen) a pointer to the packed total (cu_seqlens_q[-1]): rows past it
+    belong to no sequence and are left alone."""
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     h = tl.program_id(1)
     b = tl.program_id(2)
     offs_d = tl.arange(0, HEAD_DIM)
-    ok = (rows < seqlen_q)[:, None]
+    if RowsEnd is not None:
+        ok = (rows < tl.minimum(tl.load(RowsEnd), seqlen_q))[:, None]
+    else:
+        ok = (rows < seqlen_q)[:, None]
     acc_rows = ((b * seqlen_q + rows).to(tl.int64) * nheads + h) * HEAD_DIM
     acc = tl.load(Acc + acc_rows[:, None] + offs_d[None, :], mask=ok, other=0.0)
     dq_ptrs = (DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
@@ -732,12 +954,25 @@ def grads_supported(dout, dq, dk, dv) -> bool:
 
 
 def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale: float, causal: bool,
-                             config: GluonBwdConfig) -> None:
+                             config: GluonBwdConfig, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                             max_seqlen_k=None) -> None:
     """dq, dk, dv <- gradients of softmax(q k^T * softmax_scale) v (written in place; they may be
     strided views). q, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d); lse_log2, delta:
     float32 (b, h, sq) from attn_bwd_preprocess_kernel, rows padded to a multiple of 4 values
-    (padded_row_stride(); the TMA boxes that stream them must start 16-byte aligned). See supported()."""
-    make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config)()
+    (padded_row_stride(); the TMA boxes that stream them must start 16-byte aligned). See supported().
+
+    Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, dout, dq (1, total_q, h, d),
+    k, v, dk, dv (1, total_k, hk, d), lse_log2 / delta (1, h, total_q) laid out as above;
+    cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) prefix sums; seqused_q optional int32 (batch,):
+    sequence b uses only its first seqused_q[b] query rows (the others get dq 0 and give nothing).
+    max_seqlen_k (host int, at least the longest cu_seqlens_k span) sizes the grid; None reads it
+    from cu_seqlens_k (a device sync). Causal is bottom-right aligned per sequence. Rows of a
+    sequence's last tiles run into the next sequence's (or unused) q, dout, k, v rows: they are
+    read and masked, and must hold finite values (0 * NaN is NaN), which rules out garbage in rows
+    past seqused_q. Rows past the packed totals are not written."""
+    make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config,
+                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                  max_seqlen_k=max_seqlen_k)()
 
 
 def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
@@ -770,18 +1005,32 @@ def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
     return descs, _KERNEL, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m}
 
 
-def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config):
+def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config, *,
+                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k=None):
     """A zero-argument launch with the TMA descriptors and the dQ accumulator built once (timing
     without host overhead). Each launch zeroes the accumulator, runs the kernel and the convert;
-    it returns the compiled Gluon kernel (the probe reads its register/spill counts)."""
+    it returns the compiled Gluon kernel (the probe reads its register/spill counts). Arguments as
+    gluon_attention_backward's."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = config
     row_stride = padded_row_stride(seqlen_q)
     for t in (lse_log2, delta):
         assert t.dtype == torch.float32 and t.stride() == (nheads * row_stride, row_stride, 1), t.stride()
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+        assert cu_seqlens_k.numel() == cu_seqlens_q.numel() and cu_seqlens_q.is_contiguous()
+        n_seqs = cu_seqlens_q.numel() - 1
+        assert seqused_q is None or (seqused_q.dtype == torch.int32 and seqused_q.numel() == n_seqs)
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if n_seqs > 0 else 0
+    else:
+        assert cu_seqlens_k is None and seqused_q is None
+        n_seqs, max_seqlen_k = batch, seqlen_k
 
-    if batch == 0 or nheads == 0:
+    if n_seqs == 0 or nheads == 0:
         return lambda: None
     if seqlen_q == 0 or seqlen_k == 0:
         def trivial():
@@ -803,24 +1052,38 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
         dv = torch.empty(dv.shape, device=dv.device, dtype=dv.dtype)
     dq_acc = torch.empty((batch, seqlen_q, nheads, head_dim), device=q.device, dtype=torch.float32)
     descs, kernel_fn, block_n, extra = _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg)
+    if varlen:
+        # lse / delta are read with plain loads (a sequence's rows start at any offset); dK / dV of a
+        # sequence's ragged last key tile are stored from registers.
+        seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta,
+                    dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2))
+        rows_end = cu_seqlens_q[n_seqs:]
+    else:
+        seq_args = (None,) * 11
+        rows_end = None
 
     # Key blocks of one head are adjacent in launch order: concurrent CTAs stream the same query
-    # blocks (shared in L2) and reduce into the same dQ rows (L2-resident).
-    grid = (triton.cdiv(seqlen_k, block_n), nheads_k, batch)
+    # blocks (shared in L2) and reduce into the same dQ rows (L2-resident). Varlen: the third axis
+    # is the sequence, the first covers the longest one (programs past a sequence's keys exit).
+    grid = (triton.cdiv(max_seqlen_k, block_n), nheads_k, n_seqs)
     convert_block = 32
     convert_grid = (triton.cdiv(seqlen_q, convert_block), nheads, batch)
+    if grid[0] == 0:
+        grid = None
 
     def launch():
         dq_acc.zero_()
-        # Parameters positionally (the fastest launch, see direct_launch.py); the constexprs are
-        # BLOCK_M, NUM_STAGES, CONSUMER_REGS, LOADER_REGS, CAUSAL and the kernel's own extra one.
-        kernel = kernel_fn[grid](
-            *descs, seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E,
-            softmax_scale, cfg.block_m, cfg.num_stages, cfg.consumer_regs, cfg.loader_regs, bool(causal),
-            *extra.values(), num_warps=4,
-        )
+        kernel = None
+        if grid is not None:
+            # Parameters positionally (the fastest launch, see direct_launch.py); the constexprs:
+            # BLOCK_M, NUM_STAGES, CONSUMER_REGS, LOADER_REGS, CAUSAL, the kernel's own, IS_VARLEN.
+            kernel = kernel_fn[grid](
+                *descs, seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E,
+                softmax_scale, *seq_args, cfg.block_m, cfg.num_stages, cfg.consumer_regs, cfg.loader_regs,
+                bool(causal), *extra.values(), varlen, num_warps=4,
+            )
         _CONVERT_KERNEL[convert_grid](
-            dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale,
+            dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale, rows_end,
             head_dim, convert_block, num_warps=4,  # HEAD_DIM, BLOCK_S
         )
         if dk is not dk_out:

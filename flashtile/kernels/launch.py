@@ -170,10 +170,11 @@ def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Packe
     call, else None: the call runs on the portable Triton kernels."""
     if q.device.type != "cuda" or portable_only() or not params.plain:
         return None
-    if seqs is not None and (kernel != FWD_GLUON or seqs.seqused_k is not None):
-        # The Gluon forward reads whole key tiles past a sequence's end and masks them; slots past
-        # seqused_k may hold anything (NaN * 0 is NaN), so those go to the portable kernels,
-        # which do not load them.
+    if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):
+        # The Gluon kernels read whole tiles past a sequence's end and mask them; slots past
+        # seqused may hold anything (NaN * 0 is NaN), so those go to the portable kernels, which do
+        # not load them. The forward reads unused query rows harmlessly (their output is selected
+        # away), the backward adds them into dK and dV (P^T dO, dS^T Q with a zero P, dS).
         return None
     portable = (FWD,) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
     if any(overridden(name) for name in portable) and not overridden(kernel):
@@ -263,8 +264,9 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``.
 
     On sm90 the Gluon backward serves plain (full or causal) attention unless
-    ``deterministic``: it adds dQ up across key blocks with float32 reductions. The
-    portable path (preprocess, dK/dV, dQ kernels) sums every gradient in a fixed order.
+    ``deterministic``: it adds dQ up across key blocks with float32 reductions. Packed batches
+    take it too, except with seqused_q / seqused_k (see gluon_config). The portable path
+    (preprocess, dK/dV, dQ kernels) sums every gradient in a fixed order.
     Packed batches: as :func:`attention_forward`; dk / dv rows of tokens past seqused_k
     are not written (the caller zero-fills them).
     """
@@ -290,8 +292,14 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     if gluon_cfg is not None:
         from .gluon_backward import gluon_attention_backward
 
-        gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, params.softmax_scale, params.causal,
-                                 gluon_cfg)
+        if seqs is None:
+            gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, params.softmax_scale,
+                                     params.causal, gluon_cfg)
+        else:
+            gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, params.softmax_scale,
+                                     params.causal, gluon_cfg, cu_seqlens_q=seqs.cu_seqlens_q,
+                                     cu_seqlens_k=seqs.cu_seqlens_k, seqused_q=seqs.seqused_q,
+                                     max_seqlen_k=seqs.max_seqlen_k)
         return
     common = (*_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(dout))
 
