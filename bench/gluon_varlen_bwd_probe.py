@@ -100,7 +100,9 @@ def forward_and_stats(q, k, v, dout, lens_q, lens_k, used_q, scale, causal):
 def varlen_reference(q, k, v, dout, lens_q, lens_k, used_q, scale, causal):
     """float32 dq (rows_q, h, d), dk, dv (rows_k, hk, d) per sequence; 0 elsewhere."""
     import torch
-    from gluon_bwd_probe import reference_grads
+    import gluon_bwd_probe
+    gluon_bwd_probe._imports()  # its helpers read torch from module globals
+    reference_grads = gluon_bwd_probe.reference_grads
 
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.zeros(k.shape, device=q.device, dtype=torch.float32)

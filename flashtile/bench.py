@@ -879,6 +879,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--interpret-smoke", action="store_true",
         help="no GPU needed: run flashtile only, through TRITON_INTERPRET=1 on the CPU, at "
              "b=1 s=64 h=2 d=32 fp16, and check it against the reference (no timing)")
+    add("--varlen", action="store_true",
+        help="instead of the sweep: a packed batch of --tokens tokens (lengths drawn from [64, 4096]) through "
+             "flash_attn_varlen_func, against the padded dense path and padded SDPA (flashtile/bench_varlen.py)")
+    add("--varlen-modes", type=choice_list(("fwd", "fwd_bwd")), default="fwd,fwd_bwd",
+        help="modes of the --varlen run (default: %(default)s)")
     add("--warmup-ms", type=float, default=50.0, help="do_bench warmup per measurement (default: %(default)s)")
     add("--rep-ms", type=float, default=200.0, help="do_bench measuring time per measurement (default: %(default)s)")
     add("--gpu-warmup-s", type=float, default=3.0,
@@ -971,6 +976,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("flashtile.bench: CUDA is not available (torch "
                          f"{torch.__version__}); the benchmark needs a GPU. "
                          "Use --interpret-smoke for a CPU-only plumbing test.")
+    if args.varlen:
+        from flashtile.bench_varlen import run
+
+        settings = Settings(dtype="bf16", device="cuda", timing=True, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+        return run(args, command, lambda extra: collect_meta(command, settings, extra))
     return run_benchmark(args, command)
 
 

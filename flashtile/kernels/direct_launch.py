@@ -22,6 +22,13 @@ from ..runtime import interpreter_enabled
 _NO_FAST_PATH = object()
 
 
+def _launch_hooks_installed() -> bool:
+    """Whether a profiler hooked kernel launches (the JIT path calls the hooks)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    # triton 3.6 keeps hook chains (empty when nothing is installed); older ones None or a callable.
+    return any(getattr(hook, "calls", hook) for hook in hooks)
+
+
 class DirectLaunch:
     """``DirectLaunch(fn)[grid](*args, **kwargs)`` does what ``fn[grid](*args, **kwargs)`` does.
     Fastest with the kernel's parameters passed positionally and only launch options
@@ -69,7 +76,7 @@ class DirectLaunch:
                 values = args + tuple(kwargs[name] for name in self.arg_names[len(args):])
             except KeyError:  # a parameter left to its default
                 return self.fn[grid](*args, **kwargs)
-        if knobs.runtime.launch_enter_hook is not None:
+        if _launch_hooks_installed():
             return self.fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = self._key(device, values, options)
