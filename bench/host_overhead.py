@@ -43,12 +43,8 @@ def dissect_jit_launch(fn, launch):
     from triton.backends.nvidia.driver import make_tensordesc_arg
     from triton.runtime.driver import driver
 
-    from flashtile.kernels import gluon_forward as gf
-
     captured = {}
     real_run = fn.run
-    direct = gf._KERNEL
-    direct.compiled.clear()  # the next launch goes through the JIT again, where it is captured
 
     def capture(*args, **kwargs):
         captured.update(args=args, kwargs=kwargs)
@@ -76,7 +72,6 @@ def dissect_jit_launch(fn, launch):
     meta = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descs)
     return {
         "  jit: bind + specialise args": per_call_us(lambda: binder(*args, **kwargs)),
-        "  direct launch: key + launcher": per_call_us(launch),
         "  compiled.run (bound args)": per_call_us(direct),
         f"  encode {len(descs)} TMA descriptors": per_call_us(
             lambda: [make_tensordesc_arg(a, m) for a, m in zip(descs, meta)]),

@@ -55,7 +55,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .direct_launch import direct_launch
 from .hopper import gluon_descriptor, gluon_row_descriptor, qkv_supported, tma_aligned
 from ..configs import GluonBwdConfig
 
@@ -925,12 +924,6 @@ def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seq
     tl.store(dq_ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=ok)
 
 
-# Launched through the compiled kernels' launchers after the first call (host time).
-_KERNEL = direct_launch(gluon_attn_bwd_kernel)
-_D256_KERNEL = direct_launch(gluon_attn_bwd_d256_kernel)
-_CONVERT_KERNEL = direct_launch(gluon_bwd_dq_convert_kernel)
-
-
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -994,7 +987,7 @@ def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
         dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER, half)
         dq_desc = gluon_descriptor(dq_acc, cfg.block_m, _DQ_N.value)
         descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-        return descs, _D256_KERNEL, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap}
+        return descs, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap}
     dq_cols = head_dim if cfg.dq_split_m else head_dim // NUM_CONSUMERS
     dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER)
     dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER)
@@ -1002,7 +995,7 @@ def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
     # K/V staging doubles as the dK/dV store source: same box, same layout.
     assert k_desc.layout == dk_desc.layout and v_desc.layout == dv_desc.layout
     descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-    return descs, _KERNEL, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m}
+    return descs, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m}
 
 
 def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config, *,
@@ -1075,16 +1068,15 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
         dq_acc.zero_()
         kernel = None
         if grid is not None:
-            # Parameters positionally (the fastest launch, see direct_launch.py); the constexprs:
-            # BLOCK_M, NUM_STAGES, CONSUMER_REGS, LOADER_REGS, CAUSAL, the kernel's own, IS_VARLEN.
             kernel = kernel_fn[grid](
                 *descs, seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E,
-                softmax_scale, *seq_args, cfg.block_m, cfg.num_stages, cfg.consumer_regs, cfg.loader_regs,
-                bool(causal), *extra.values(), varlen, num_warps=4,
+                softmax_scale, *seq_args,
+                BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
+                LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), IS_VARLEN=varlen, num_warps=4, **extra,
             )
-        _CONVERT_KERNEL[convert_grid](
+        gluon_bwd_dq_convert_kernel[convert_grid](
             dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale, rows_end,
-            head_dim, convert_block, num_warps=4,  # HEAD_DIM, BLOCK_S
+            HEAD_DIM=head_dim, BLOCK_S=convert_block, num_warps=4,
         )
         if dk is not dk_out:
             dk_out.copy_(dk)

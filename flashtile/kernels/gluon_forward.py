@@ -35,7 +35,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .direct_launch import direct_launch
 from .hopper import gluon_descriptor, qkv_supported
 from ..configs import GluonFwdConfig
 
@@ -528,10 +527,6 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
-# Launched through the compiled kernel's launcher after the first call (host time).
-_KERNEL = direct_launch(gluon_attn_fwd_kernel)
-
-
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -603,14 +598,13 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     v_desc = gluon_descriptor(v, cfg.block_n)
 
     def launch():
-        return _KERNEL[grid](
+        return gluon_attn_fwd_kernel[grid](
             q_desc, k_desc, v_desc, o_desc, lse, *lse_strides,
             seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *out_args,
-            # BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CONSUMER_REGS, LOADER_REGS, PINGPONG, CAUSAL,
-            # IS_VARLEN (positional: the fastest launch, see direct_launch.py)
-            cfg.block_n, cfg.num_stages, cfg.num_consumers, cfg.consumer_regs, cfg.loader_regs, cfg.pingpong,
-            bool(causal), varlen,
+            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
+            CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
+            CAUSAL=bool(causal), IS_VARLEN=varlen,
             num_warps=4,
         )
     return launch

@@ -19,17 +19,9 @@ from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, Config, get_
                        padded_head_dim)
 from ..runtime import arch_of, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from .direct_launch import direct_launch
 from .forward import attn_fwd_kernel
 from .hopper import tma_aligned
 from .probs import attn_probs_kernel
-
-# Launch through the compiled kernels' own launchers after the first call (host time).
-_fwd_kernel = direct_launch(attn_fwd_kernel)
-_preprocess_kernel = direct_launch(attn_bwd_preprocess_kernel)
-_dkdv_kernel = direct_launch(attn_bwd_dkdv_kernel)
-_dq_kernel = direct_launch(attn_bwd_dq_kernel)
-_probs_kernel = direct_launch(attn_probs_kernel)
 
 _LOG2E = math.log2(math.e)
 
@@ -226,7 +218,7 @@ def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[P
     else:
         tiles = (q, k, v, out)
     grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)
-    _fwd_kernel[grid](
+    attn_fwd_kernel[grid](
         *tiles, lse,
         *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse),
         **_seq_args(seqs), **_shape_args(q, k), **params.kernel_args(q.dtype),
@@ -251,7 +243,7 @@ def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs
     batch, max_seqlen_q, _ = _grid_lengths(out, out, seqs)
     nheads, head_dim = out.shape[2], out.shape[3]
     args = _seq_args(seqs)
-    _preprocess_kernel[(triton.cdiv(max_seqlen_q, block_m), nheads, batch)](
+    attn_bwd_preprocess_kernel[(triton.cdiv(max_seqlen_q, block_m), nheads, batch)](
         out, dout, lse, delta, lse_log2,
         *_bsh_strides(out), *_bsh_strides(dout), *_bh_strides(lse), *_bh_strides(delta),
         args["CuSeqlensQ"], args["SeqUsedQ"], nheads, out.shape[1],
@@ -305,14 +297,14 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
 
     if k.shape[1] > 0:
         cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
-        _dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg.block_n), nheads_k, batch)](
+        attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg.block_n), nheads_k, batch)](
             q, k, v, dout, lse_log2, delta, dk, dv,
             *common, *_bsh_strides(dk), *_bsh_strides(dv), *_bh_strides(delta), **seq_args,
             softmax_scale=params.softmax_scale, **shape, **score,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
         )
     cfg = get_config(BWD_DQ, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
-    _dq_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
+    attn_bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
         q, k, v, dout, lse_log2, delta, dq,
         *common, *_bsh_strides(dq), *_bh_strides(delta), **seq_args,
         softmax_scale=params.softmax_scale, **shape, **score,
@@ -332,7 +324,7 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
     if probs.numel() == 0:
         return probs
     cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, max_seqlen_k, q.dtype)
-    _probs_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
+    attn_probs_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
         q, k, lse, probs,
         *_bsh_strides(q), *_bsh_strides(k), *_bh_strides(lse),
         probs.stride(0), probs.stride(1), probs.stride(2), **_seq_args(seqs),
