@@ -42,10 +42,12 @@ def check_same_dtype_and_device(tensors: dict) -> None:
 
 
 def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:
-    """Dense layout: q (b, sq, h, d), k and v (b, sk, hk, d)."""
+    """Dense layout: q (b, sq, h, d), k and v (b, sk, hk, d); packed (varlen): q (total_q, h, d),
+    k and v (total_k, hk, d)."""
     qn, kn, vn = names
-    batch, _, nheads, head_dim = q.shape
-    if k.shape[0] != batch:
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    batch = q.shape[0] if q.dim() == 4 else 1
+    if q.dim() == 4 and k.shape[0] != batch:
         raise ValueError(f"{kn} has batch size {k.shape[0]} but {qn} has {batch}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"{vn} has shape {tuple(v.shape)}; expected the shape of {kn}, {tuple(k.shape)}")
@@ -53,7 +55,7 @@ def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("
         raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {head_dim}: they must match")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} of {qn} is not supported: expected 1 <= head_dim <= {MAX_HEAD_DIM}")
-    nheads_k = k.shape[2]
+    nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"{qn} has {nheads} heads and {kn} has {nheads_k}: the number of query heads "
                          "must be a multiple of the number of key/value heads (MQA/GQA)")
@@ -87,11 +89,6 @@ def check_options(*, dropout_p, softmax_scale, causal, window_size, softcap, ali
                              f"or ({batch}, {nheads}) (nheads,) or (batch, nheads)")
         if alibi_slopes.device != device:
             raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
-
-
-def check_varlen_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:
-    """Packed layout: q (total_q, h, d), k and v (total_k, hk, d)."""
-    check_qkv_shapes(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
 
 
 def _check_index_tensor(t, name: str, length: int, device: torch.device, what: str) -> None:

@@ -127,7 +127,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(t, name, 3)
     checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
-    checks.check_varlen_shapes(q, k, v)
+    checks.check_qkv_shapes(q, k, v)
     if block_table is not None:
         raise NotImplementedError("block_table (paged K/V) is not supported by flash_attn_varlen_func yet; "
                                   "pass contiguous k, v")
@@ -148,7 +148,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: flo
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=1)
-    checks.check_varlen_shapes(q, k, v, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
+    checks.check_qkv_shapes(q, k, v, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
     seqs = _packed_seqs(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None)
     return FlashAttnVarlenQKVPackedFunc.apply(qkv, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
                                               alibi_slopes, deterministic, return_attn_probs)
@@ -166,7 +166,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     if kv.shape[1] != 2:
         raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(dim=1)
-    checks.check_varlen_shapes(q, k, v, names=("q", "kv[:, 0]", "kv[:, 1]"))
+    checks.check_qkv_shapes(q, k, v, names=("q", "kv[:, 0]", "kv[:, 1]"))
     seqs = _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None)
     return FlashAttnVarlenKVPackedFunc.apply(q, kv, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
                                              alibi_slopes, deterministic, return_attn_probs)

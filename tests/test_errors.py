@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                       unpad_input)
 
 from _cases import DEVICE, ON_GPU, make_qkv, randn
 
@@ -110,3 +111,69 @@ def test_still_works_after_errors():
         flash_attn_func(q, k, v, dropout_p=2.0)
     out = flash_attn_func(q, k, v)
     assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen: the layout arguments
+# ---------------------------------------------------------------------------------------------
+
+def _packed(lengths=(5, 0, 11), h=4, hk=2, d=32):
+    total = sum(lengths)
+    q = randn(total, h, d, dtype=torch.float16)
+    k = randn(total, hk, d, dtype=torch.float16)
+    v = randn(total, hk, d, dtype=torch.float16)
+    cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0).to(torch.int32)
+    return q, k, v, cu, max(lengths)
+
+
+def test_varlen_bad_cu_seqlens():
+    q, k, v, cu, n = _packed()
+    _raises(TypeError, "cu_seqlens_q has dtype int64; expected int32", flash_attn_varlen_func, q, k, v,
+            cu.long(), cu, n, n)
+    _raises(ValueError, "cu_seqlens_k has shape \\(3,\\); expected \\(4,\\)", flash_attn_varlen_func, q, k, v,
+            cu, cu[:3], n, n)
+    _raises(ValueError, "cu_seqlens_q must be a 1-D int32 tensor", flash_attn_varlen_func, q, k, v,
+            cu[None], cu, n, n)
+    _raises(TypeError, "max_seqlen_k must be a Python int", flash_attn_varlen_func, q, k, v, cu, cu, n, float(n))
+    _raises(TypeError, "seqused_k has dtype float32", flash_attn_varlen_func, q, k, v, cu, cu, n, n,
+            seqused_k=torch.ones(3, device=DEVICE))
+    _raises(ValueError, "seqused_q has shape \\(2,\\); expected \\(3,\\)", flash_attn_varlen_func, q, k, v,
+            cu, cu, n, n, seqused_q=torch.ones(2, dtype=torch.int32, device=DEVICE))
+    other = "meta" if not ON_GPU else "cpu"
+    _raises(ValueError, "cu_seqlens_q is on", flash_attn_varlen_func, q, k, v, cu.to(other), cu, n, n)
+
+
+def test_varlen_bad_shapes():
+    q, k, v, cu, n = _packed()
+    _raises(ValueError, "q must have 3 dimensions", flash_attn_varlen_func, q[None], k, v, cu, cu, n, n)
+    k3, v3 = (t[:, :1].expand(-1, 3, -1) for t in (k, v))
+    _raises(ValueError, "q has 4 heads and k has 3", flash_attn_varlen_func, q, k3, v3, cu, cu, n, n)
+    _raises(ValueError, "v has shape \\(16, 2, 16\\); expected the shape of k, \\(16, 2, 32\\)",
+            flash_attn_varlen_func, q, k, v[..., :16], cu, cu, n, n)
+    _raises(NotImplementedError, "block_table", flash_attn_varlen_func, q, k, v, cu, cu, n, n,
+            block_table=torch.zeros(3, 1, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.skipif(ON_GPU, reason="contents are validated on CPU (free) or with FLASHTILE_VALIDATE=1")
+def test_varlen_contents_checked_on_cpu():
+    q, k, v, cu, n = _packed()
+    _raises(ValueError, "cu_seqlens_q must not decrease: entry 2 \\(3\\) < entry 1 \\(5\\)",
+            flash_attn_varlen_func, q, k, v, torch.tensor([0, 5, 3, 16], dtype=torch.int32), cu, n, n)
+    _raises(ValueError, "cu_seqlens_k ends at 15 but k/v holds 16", flash_attn_varlen_func, q, k, v,
+            cu, cu - torch.tensor([0, 0, 0, 1], dtype=torch.int32), n, n)
+    _raises(ValueError, "max_seqlen_q is 10 but a sequence in cu_seqlens_q has 11", flash_attn_varlen_func,
+            q, k, v, cu, cu, 10, n)
+    _raises(ValueError, "seqused_k\\[2\\] = 12 is outside \\[0, 11\\]", flash_attn_varlen_func, q, k, v, cu, cu,
+            n, n, seqused_k=torch.tensor([1, 0, 12], dtype=torch.int32))
+
+
+def test_varlen_contents_checked_when_validating(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_VALIDATE", "1")
+    q, k, v, cu, n = _packed()
+    _raises(ValueError, "cu_seqlens_q must start at 0", flash_attn_varlen_func, q, k, v, cu + 1, cu, n, n)
+
+
+def test_unpad_input_bad_mask():
+    hidden = randn(2, 6, 3, dtype=torch.float32)
+    _raises(ValueError, "attention_mask has shape \\(2, 5\\)", unpad_input, hidden,
+            torch.ones(2, 5, dtype=torch.bool, device=DEVICE))
