@@ -19,7 +19,10 @@ if not ON_GPU:
     # Must be set before triton is imported (flashtile imports it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flashtile import flash_attn_func  # noqa: E402
+import functools  # noqa: E402
+
+from flashtile import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from flashtile.reference import attention_varlen_naive  # noqa: E402
 from flashtile.testing import allowed_error, reference_errors  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -92,12 +95,35 @@ def time_against_sdpa():
         print(f"  causal={str(causal):<5}  " + "   ".join(cells))
 
 
+def run_varlen_check(lengths, nheads, nheads_k, head_dim):
+    """A packed batch (flash_attn_varlen_func), each sequence checked as if it ran alone."""
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    total = sum(lengths)
+    q = torch.randn(total, nheads, head_dim, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    k = torch.randn(total, nheads_k, head_dim, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    start = time.perf_counter()
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    seconds = time.perf_counter() - start
+    reference = functools.partial(attention_varlen_naive, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    errors, _ = reference_errors(q, k, v, out, dout, grads, reference=reference, causal=True)
+    ok = all(err <= allowed_error(base, DTYPE) for _, err, base in errors)
+    cells = [f"{err:.1e} ({base:.1e})" for _, err, base in errors]
+    label, shape = "varlen, causal", f"lengths {lengths}"
+    print(f"{label:<24} {shape:<28} " + "  ".join(cells) + f"  {'ok' if ok else 'FAIL'}  {seconds:6.2f}s")
+    return ok
+
+
 def main() -> int:
     where = torch.cuda.get_device_name() if ON_GPU else "CPU through Triton's interpreter (TRITON_INTERPRET=1)"
     print(f"flashtile demo on {where}, {str(DTYPE).replace('torch.', '')}")
     print("relative error vs float64 for out, dq, dk, dv; in brackets PyTorch's own error in the same dtype")
     print(f"{'case':<24} {'(b, sq, sk, h, hk, d)':<28} {'out':<19}{'dq':<19}{'dk':<19}{'dv':<19}")
     ok = all([run_check(*case) for case in CHECKS])
+    scale = 8 if ON_GPU else 1
+    ok &= run_varlen_check([n * scale for n in (70, 0, 1, 113)], 4, 2, 64)
     if ON_GPU:
         time_against_sdpa()
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
