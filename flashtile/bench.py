@@ -687,7 +687,9 @@ def collect_meta(argv: list[str], settings: Settings, extra: dict) -> dict:
         flashtile_path = str(Path(flashtile.__file__).parent)
     except Exception:  # the records will say why flashtile could not run
         flashtile_version = flashtile_path = None
-    commit = git_output("rev-parse", "HEAD")
+    # FLASHTILE_COMMIT names the tree when the checkout's git metadata is not that of the files
+    # (a copied working tree, as on the remote GPU machine).
+    commit = os.environ.get("FLASHTILE_COMMIT") or git_output("rev-parse", "HEAD")
     status = git_output("status", "--porcelain", "--untracked-files=no") if commit else None
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
