@@ -51,6 +51,19 @@ def test_varlen(dtype, head_dim, lengths_q, lengths_k, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_random_lengths(dtype, causal):
+    """A fresh random mix per run (seeded per test id), with an empty and a one-token sequence."""
+    top = 1100 if ON_GPU else 90
+    lengths_q = [0, 1] + torch.randint(1, top, (5,)).tolist()
+    lengths_k = torch.randint(0, top, (7,)).tolist()
+    order = torch.randperm(7).tolist()
+    lengths_q = [lengths_q[i] for i in order]
+    q, k, v = make_packed(lengths_q, lengths_k, NHEADS, 2, 64, dtype)
+    check_varlen(lengths_q, lengths_k, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nheads_k", [1, 2])
 @pytest.mark.parametrize("options", [dict(causal=True, window_size=(24, -1)), dict(window_size=(16, 8)),
                                      dict(softcap=5.0, causal=True), dict(alibi="batch"), dict(alibi="heads")])
