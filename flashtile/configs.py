@@ -178,11 +178,14 @@ _TUNED: dict = {
             Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
                  causal=True, min_seqlen_k=8192),
             Rule(64, None),
+            # Head dims 96 and 192 (padded to 128 / 256) take these rules: they run the d128 / d256
+            # kernels on tiles of the padded width (gluon_forward.HEAD_DIMS lists what it serves).
             Rule(128, GluonFwdConfig(128, 2, pingpong=True)),
             Rule(256, GluonFwdConfig(64, 2, pingpong=True)),
         ],
         BWD_GLUON: [
             Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),
+            # Also head dim 96 (and 192 below), on tiles of the padded width.
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
             # 64 keys per CTA, each warpgroup half of the head dim (not yet measured on the H200:
             # bench/gluon_bwd_probe.py --head-dims 256).

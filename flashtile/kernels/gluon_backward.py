@@ -38,6 +38,13 @@ offset (a 1-D TMA box must start 16-byte aligned), so the loader warp reads them
 code is the dense one. dK / dV of a sequence's ragged last key tile are stored from registers
 with a row mask (a TMA box would overwrite the next sequence's rows); the dQ convert stops at
 the packed total. The dense path compiles to the same PTX as without varlen (behind constexprs).
+
+Head dims 96 and 192 (HEAD_DIM_TRUE) run the d128 and d256 kernels with boxes of the padded width
+over the true-width tensors: TMA zero-fills the missing columns of Q, dO, K, V (every product stays
+exact; the padded columns of dK, dV, dQ come out zero) and clips them on the dK / dV stores and dQ
+reduce-adds; the ragged-tile register stores and the dQ convert mask them. At d192 the S^T / dP^T
+products skip the all-zero last 64 columns, and the second warpgroup its second (empty) dQ tile.
+d64/d128/d256 compile to the same PTX as before.
 """
 
 import torch
@@ -56,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .hopper import gluon_descriptor, gluon_row_descriptor, qkv_supported, tma_aligned
-from ..configs import GluonBwdConfig
+from ..configs import GluonBwdConfig, padded_head_dim
 
 LOG2E = 1.4426950408889634
 
@@ -71,8 +78,9 @@ _BN = gl.constexpr(BLOCK_N)
 
 
 # The tuned choice per head dim is in flashtile/configs.py (BWD_GLUON). d256 has its own kernel
-# (gluon_attn_bwd_d256_kernel): its warpgroups split the head dim, not the keys.
-HEAD_DIMS = (64, 128, 256)
+# (gluon_attn_bwd_d256_kernel): its warpgroups split the head dim, not the keys. Head dims 96 and
+# 192 run the d128 and d256 kernels with tiles of the padded width (see _kernel_args).
+HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # Alternatives the probe (bench/gluon_bwd_probe.py) times against the defaults.
 CANDIDATES = {
@@ -247,10 +255,12 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
 
 
 @gluon.jit
-def _store_rows(ptr, stride_s, stride_h, row0, head, col0, vals, n_rows, layout: gl.constexpr):
-    """Rows [0, n_rows) of the register tile vals to (s, h, d) memory at row row0, column col0, one
-    head (a ragged tile at a sequence's end, which a TMA box would write past). The tensor has a TMA
-    descriptor, so its strides are multiples of 8 elements: spelled out (x // 8 * 8) so the
+def _store_rows(ptr, stride_s, stride_h, row0, head, col0, vals, n_rows, layout: gl.constexpr,
+                N_COLS: gl.constexpr):
+    """Rows [0, n_rows) and columns [0, N_COLS) of the register tile vals to (s, h, d) memory at row
+    row0, column col0, one head (a ragged tile at a sequence's end, which a TMA box would write past;
+    N_COLS < the tile's width: a padded tile, whose last columns are the next head's). The tensor has
+    a TMA descriptor, so its strides are multiples of 8 elements: spelled out (x // 8 * 8) so the
     compiler can vectorize."""
     R: gl.constexpr = vals.shape[0]
     C: gl.constexpr = vals.shape[1]
@@ -258,7 +268,10 @@ def _store_rows(ptr, stride_s, stride_h, row0, head, col0, vals, n_rows, layout:
     cols = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     row_off = (row0 + rows).to(gl.int64) * (stride_s // 8 * 8) + head.to(gl.int64) * (stride_h // 8 * 8) + col0
     ptrs = ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, vals, mask=gl.expand_dims(rows < n_rows, 1))
+    keep = gl.expand_dims(rows < n_rows, 1)
+    if N_COLS < C:
+        keep = keep & gl.expand_dims(cols < N_COLS, 0)
+    gl.store(ptrs, vals, mask=keep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +381,7 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
                   k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
                   dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
+                  CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     DQ_N: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -417,9 +430,9 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
         else:
             # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
             _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + key0, kv_head, 0,
-                        (dk * softmax_scale).to(k_smem.dtype), seqlen_k - key0, acc_layout)
+                        (dk * softmax_scale).to(k_smem.dtype), seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
             _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + key0, kv_head, 0, dv.to(v_smem.dtype),
-                        seqlen_k - key0, acc_layout)
+                        seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
             # The last dQ reduce-add must have read its staging before the CTA exits.
             tma.store_wait(0)
     else:
@@ -450,7 +463,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
               stride_dv_h, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     start_n = gl.program_id(0) * _BN
     kv_head = gl.program_id(1)
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
@@ -461,13 +474,13 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                           q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                           tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                           softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                          CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
+                          CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
     else:
         _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                       q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                       tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                       softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                      CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
+                      CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 @gluon.jit
@@ -476,12 +489,12 @@ def _consumer0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, d
                seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
+               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
               ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-              stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
+              stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 @gluon.jit
@@ -490,12 +503,12 @@ def _consumer1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, d
                seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr):
+               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
               ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-              stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)
+              stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -510,7 +523,7 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                           dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                           BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
-                          IS_VARLEN: gl.constexpr):
+                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -548,12 +561,12 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                       q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                       seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                       cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)),
+                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
         (_consumer1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                       q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                       seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                       cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN)),
+                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
@@ -600,11 +613,16 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
                        seqlen_q, seqlen_k, qk_scale_log2,
                        CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                        MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                       s_layout: gl.constexpr, dq_layout: gl.constexpr):
-    """Query blocks [m_start, m_stop) of one query head (head dim 256)."""
+                       s_layout: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+    """Query blocks [m_start, m_stop) of one query head (head dim 256, or a head dim in (128, 256)
+    padded to it: HEAD_DIM_TRUE)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     NCHUNK: gl.constexpr = HEAD_DIM // 64
+    # Chunks that hold columns of the tensors; the others are TMA's zero fill: the score products
+    # skip them, and so does the dQ tile of a warpgroup that lies wholly past the head dim.
+    NCHUNK_USED: gl.constexpr = (HEAD_DIM_TRUE + 63) // 64
+    DQ_SECOND: gl.constexpr = HEAD_DIM_TRUE > CONSUMER * _D256_HALF + _DQ_N
     dtype: gl.constexpr = k_smem.dtype
     # 128-byte swizzle, as the TMA boxes land: chunks of 64 columns and halves of 128 columns.
     chunk_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -638,15 +656,15 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         # head-dim chunks. (Starting dP^T at -delta, as at d64/d128, makes ptxas wait for S^T
         # before issuing dP^T.)
         s_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout)
-        for j in gl.static_range(NCHUNK):
+        for j in gl.static_range(NCHUNK_USED):
             s_tok = warpgroup_mma(k_chunks.index(j), q_tiles.index(2 * j + CONSUMER).permute([1, 0]), s_tok,
                                   use_acc=j > 0, is_async=True)
         dp_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout)
-        for j in gl.static_range(NCHUNK):
+        for j in gl.static_range(NCHUNK_USED):
             dp_tok = warpgroup_mma(v_chunks.index(j), do_tiles.index(2 * j + CONSUMER).permute([1, 0]), dp_tok,
                                    use_acc=j > 0, is_async=True)
 
-        s, _, _, _ = warpgroup_mma_wait(NCHUNK, deps=[s_tok, k_chunks, q_tiles, q_smem])
+        s, _, _, _ = warpgroup_mma_wait(NCHUNK_USED, deps=[s_tok, k_chunks, q_tiles, q_smem])
         lse = lse_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
         x = s * qk_scale_log2 - gl.expand_dims(lse, 0)
         if MASK:
@@ -692,27 +710,37 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         dq_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER),
                                gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
         dv, dk, _, _, _, _ = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok, pt, dst, q_mine, do_mine])
-        if DQ_OVERLAP:
-            # The second tile's product runs while the first is stored (32 more registers).
-            dq1_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1),
-                                    gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
-            dq, _, _ = warpgroup_mma_wait(1, deps=[dq_tok, dst, k_chunks])
-            stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
+        if DQ_SECOND:
+            if DQ_OVERLAP:
+                # The second tile's product runs while the first is stored (32 more registers).
+                dq1_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1),
+                                        gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False,
+                                        is_async=True)
+                dq, _, _ = warpgroup_mma_wait(1, deps=[dq_tok, dst, k_chunks])
+                stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
+                dq, _, _ = warpgroup_mma_wait(0, deps=[dq1_tok, dst, k_chunks])
+            else:
+                dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
+                stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
+                dq_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1),
+                                       gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False,
+                                       is_async=True)
+                dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
+            mbarrier.arrive(ds_free.index(buf))
+            stage_do.reshape([BLOCK_M, _DQ_N]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
-            dq, _, _ = warpgroup_mma_wait(0, deps=[dq1_tok, dst, k_chunks])
+            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0 + _DQ_N], stage_do)
         else:
+            # Padded head dim: only the first of this warpgroup's dQ tiles is in the tensor.
             dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
+            mbarrier.arrive(ds_free.index(buf))
             stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
             fence_async_shared()
             _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
-            dq_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1),
-                                   gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
-            dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
-        mbarrier.arrive(ds_free.index(buf))
-        stage_do.reshape([BLOCK_M, _DQ_N]).store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0 + _DQ_N], stage_do)
         it += 1
     return it, dk, dv
 
@@ -723,7 +751,8 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
                        q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
                        dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                        CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
+                       CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr,
+                       HEAD_DIM_TRUE: gl.constexpr):
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -743,15 +772,18 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_lo, m_full, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
             k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
+            HEAD_DIM_TRUE)
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_full, m_tail, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
             k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
+            HEAD_DIM_TRUE)
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_tail, m_end, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
             k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout)
+            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
+            HEAD_DIM_TRUE)
 
     # Both warpgroups' scores read all of K and V: wait for both, then stage this warpgroup's
     # dK, dV columns in its halves of the K, V tiles. The last dQ reduce-adds must be done with
@@ -765,10 +797,11 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
                                  softmax_scale, CONSUMER)
         else:
             # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
+            MY_COLS: gl.constexpr = HEAD_DIM_TRUE - CONSUMER * _D256_HALF  # in the tensor
             _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
-                        (dk * softmax_scale).to(dtype), seqlen_k - start_n, acc_layout)
+                        (dk * softmax_scale).to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
             _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
-                        dv.to(dtype), seqlen_k - start_n, acc_layout)
+                        dv.to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
     else:
         _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, start_n, kv_head, softmax_scale,
                              CONSUMER)
@@ -796,7 +829,8 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                    seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                    cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                    stride_dv_h, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
+                   CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr,
+                   HEAD_DIM_TRUE: gl.constexpr):
     start_n = gl.program_id(0) * _KPC
     kv_head = gl.program_id(1)
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
@@ -807,13 +841,13 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                                q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                                tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                                softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                               CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
+                               CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
     else:
         _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                            q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                            tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                            softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                           CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
+                           CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 @gluon.jit
@@ -822,12 +856,12 @@ def _consumer_d256_0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_sm
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
+                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
                    q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                    seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                    cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                   stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
+                   stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 @gluon.jit
@@ -836,12 +870,12 @@ def _consumer_d256_1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_sm
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr):
+                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
                    q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                    seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                    cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                   stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)
+                   stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
@@ -852,7 +886,7 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                                dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                               IS_VARLEN: gl.constexpr):
+                               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     gl.static_assert(NUM_STAGES >= 2, "a slot is released one query block late (dQ staging)")
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -890,12 +924,14 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                             q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                             seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                             cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
-                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)),
+                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
+                            HEAD_DIM_TRUE)),
         (_consumer_d256_1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                             q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                             seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                             cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
-                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN)),
+                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
+                            HEAD_DIM_TRUE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
@@ -905,18 +941,20 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
 
 @triton.jit
 def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seqlen_q, nheads, scale, RowsEnd,
-                                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+                                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq (strided (b, sq, h, d) view) <- scale * acc (contiguous float32 (b, sq, h, d)).
     RowsEnd: None, or (varlen) a pointer to the packed total (cu_seqlens_q[-1]): rows past it
-    belong to no sequence and are left alone."""
+    belong to no sequence and are left alone. BLOCK_D: HEAD_DIM padded to a power of two."""
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     if RowsEnd is not None:
         ok = (rows < tl.minimum(tl.load(RowsEnd), seqlen_q))[:, None]
     else:
         ok = (rows < seqlen_q)[:, None]
+    if BLOCK_D != HEAD_DIM:
+        ok = ok & (offs_d < HEAD_DIM)[None, :]
     acc_rows = ((b * seqlen_q + rows).to(tl.int64) * nheads + h) * HEAD_DIM
     acc = tl.load(Acc + acc_rows[:, None] + offs_d[None, :], mask=ok, other=0.0)
     dq_ptrs = (DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
@@ -970,32 +1008,37 @@ def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax
 
 def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
     """(TMA descriptors in kernel order, kernel, keys per CTA, extra constexprs) for one head dim.
-    The loader's Q/dO/K/V boxes are whole rows of the head dim at every head dim."""
+    The loader's Q/dO/K/V boxes are whole rows of the head dim at every head dim. A head dim that is
+    not a power of two (96, 192) runs the kernel of the next one with boxes of that width: TMA
+    zero-fills the missing columns on loads (every product stays exact, the padded columns of dK,
+    dV, dQ come out zero) and clips them on stores and reduce-adds."""
     head_dim = q.shape[-1]
-    q_desc = gluon_descriptor(q, cfg.block_m)
-    do_desc = gluon_descriptor(dout, cfg.block_m)
-    k_desc = gluon_descriptor(k, KEYS_PER_CONSUMER)
-    v_desc = gluon_descriptor(v, KEYS_PER_CONSUMER)
+    block_d = padded_head_dim(head_dim)
+    q_desc = gluon_descriptor(q, cfg.block_m, block_d)
+    do_desc = gluon_descriptor(dout, cfg.block_m, block_d)
+    k_desc = gluon_descriptor(k, KEYS_PER_CONSUMER, block_d)
+    v_desc = gluon_descriptor(v, KEYS_PER_CONSUMER, block_d)
     # lse / delta: 1-D boxes over the flat arrays (no 16-byte row-stride condition on seqlen_q).
     lse_desc = gluon_row_descriptor(lse_log2, cfg.block_m)
     delta_desc = gluon_row_descriptor(delta, cfg.block_m)
-    if head_dim == 256:
+    extra = {"HEAD_DIM_TRUE": head_dim}
+    if block_d == 256:
         # Each warpgroup stores its half of the head dim of dK, dV (staged in its half of the K,
         # V tiles) and reduce-adds dQ in (block_m, 64) float32 tiles.
-        half = head_dim // NUM_CONSUMERS
+        half = block_d // NUM_CONSUMERS
         dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER, half)
         dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER, half)
         dq_desc = gluon_descriptor(dq_acc, cfg.block_m, _DQ_N.value)
         descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-        return descs, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap}
-    dq_cols = head_dim if cfg.dq_split_m else head_dim // NUM_CONSUMERS
-    dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER)
-    dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER)
+        return descs, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap, **extra}
+    dq_cols = block_d if cfg.dq_split_m else block_d // NUM_CONSUMERS
+    dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER, block_d)
+    dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER, block_d)
     dq_desc = gluon_descriptor(dq_acc, KEYS_PER_CONSUMER, dq_cols)
     # K/V staging doubles as the dK/dV store source: same box, same layout.
     assert k_desc.layout == dk_desc.layout and v_desc.layout == dv_desc.layout
     descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-    return descs, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m}
+    return descs, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m, **extra}
 
 
 def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config, *,
@@ -1076,7 +1119,7 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
             )
         gluon_bwd_dq_convert_kernel[convert_grid](
             dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale, rows_end,
-            HEAD_DIM=head_dim, BLOCK_S=convert_block, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_S=convert_block, BLOCK_D=padded_head_dim(head_dim), num_warps=4,
         )
         if dk is not dk_out:
             dk_out.copy_(dk)

@@ -21,6 +21,11 @@ sequence's keys and are masked like the ragged end of a dense row. Query rows pa
 computed but not stored: a sequence's last, ragged 64-row tile is stored from registers with a row
 mask (a TMA box would overwrite the next sequence's rows), every other tile by TMA. The dense
 path compiles to the same code as without varlen (all of it sits behind the constexpr).
+
+Head dims 96 and 192 (HEAD_DIM_TRUE) run the d128 and d256 kernels: the TMA boxes keep the padded
+width over the true-width tensors, so loads zero-fill the missing columns (S is exact, O's padded
+columns come out zero) and stores clip them; the ragged-tile register store masks them. At d192 the
+S product skips the all-zero last 64 columns. d64/d128/d256 compile to the same code as before.
 """
 
 import torch
@@ -36,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .hopper import gluon_descriptor, qkv_supported
-from ..configs import GluonFwdConfig
+from ..configs import GluonFwdConfig, padded_head_dim
 
 LOG2E = 1.4426950408889634
 
@@ -44,7 +49,9 @@ LOG2E = 1.4426950408889634
 ROWS_PER_CONSUMER = 64
 
 # The tuned choice per (head dim, causal, seqlen) is in flashtile/configs.py (FWD_GLUON).
-HEAD_DIMS = (64, 128, 256)
+# Head dims 96 and 192 run the d128 and d256 kernels with tiles of the padded width (see
+# make_launcher): a third / a quarter of the matmul work is spent on zero columns.
+HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # Alternatives the probe (bench/gluon_fwd_probe.py) times against the defaults; all compile for
 # sm90 without spills.
@@ -223,13 +230,31 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
 
 
 @gluon.jit
-def _pipelined_blocks(q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
+def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
+    """S = Q K^T over the first 192 columns of 256-wide Q, K tiles (q_buf, k_buf: the (1, rows, 1, 256)
+    TMA tiles) whose last 64 columns are TMA zero fill (head dims 136..192): one wgmma over columns
+    [0, 128), one over [128, 192), both async. A 256-wide box lands as 4 chunks of 64 columns
+    (128-byte swizzle), so columns [0, 128) are one (rows, 128) view and chunk 2 a (rows, 64) one."""
+    dtype: gl.constexpr = q_buf.dtype
+    ROWS: gl.constexpr = q_buf.shape[1]
+    BLOCK_N: gl.constexpr = k_buf.shape[1]
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_lo = q_buf._reinterpret(dtype, [2, ROWS, 128], layout).index(0)
+    k_lo = k_buf._reinterpret(dtype, [2, BLOCK_N, 128], layout).index(0)
+    q_hi = q_buf._reinterpret(dtype, [4, ROWS, 64], layout).index(2)
+    k_hi = k_buf._reinterpret(dtype, [4, BLOCK_N, 64], layout).index(2)
+    s_tok = warpgroup_mma(q_lo, k_lo.permute([1, 0]), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_hi, k_hi.permute([1, 0]), s_tok, is_async=True)
+
+
+@gluon.jit
+def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
                       acc, p_op, m_i, l_i, j_start, j_end, rows, seqlen_k, diag, qk_scale_log2,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      s_layout: gl.constexpr, p_layout: gl.constexpr):
+                      s_layout: gl.constexpr, p_layout: gl.constexpr, SKIP_LAST_CHUNK: gl.constexpr):
     """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, run the
-    softmax of S_j while the PV wgmma is in flight."""
+    softmax of S_j while the PV wgmma is in flight. SKIP_LAST_CHUNK: see _scores_skipping_zero_chunk."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     for j in range(j_start, j_end):
         stage = j % NUM_STAGES
@@ -245,13 +270,19 @@ def _pipelined_blocks(q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 
             # Issue point number j of this warpgroup (the prologue was number 0).
             mbarrier.wait(my_turn, j & 1)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-        s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+        if SKIP_LAST_CHUNK:
+            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage), s_zero)
+        else:
+            s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
 
         # wgmma groups retire in order: one outstanding means S_j is done, PV may still run.
-        s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, q_op, k_t])
+        if SKIP_LAST_CHUNK:
+            s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, q_buf, k_smem])
+        else:
+            s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(stage))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2,
                                             BLOCK_N, MASK, CAUSAL, s_layout)
@@ -268,8 +299,14 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-             PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
+             PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
+             HEAD_DIM_TRUE: gl.constexpr):
+    # HEAD_DIM: the tiles' width (a power of two); HEAD_DIM_TRUE: the tensors' (<= HEAD_DIM). TMA
+    # zero-fills the columns past HEAD_DIM_TRUE on loads and clips them on stores, so S is exact and
+    # O's columns past it come out zero; only the register store below has to leave them alone.
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    # Head dims 136..192 in 256-wide tiles: S skips the all-zero last 64 columns.
+    SKIP_LAST_CHUNK: gl.constexpr = (HEAD_DIM == 256) & (HEAD_DIM_TRUE <= 192)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -301,11 +338,17 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
         k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
         if PINGPONG:
             mbarrier.wait(my_turn, 0)
-        s_tok = warpgroup_mma(q_op, k_t, gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                              is_async=True)
+        if SKIP_LAST_CHUNK:
+            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(0), gl.zeros([64, BLOCK_N], gl.float32, s_layout))
+        else:
+            s_tok = warpgroup_mma(q_op, k_t, gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                  is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
-        s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
+        if SKIP_LAST_CHUNK:
+            s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_buf, k_smem])
+        else:
+            s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(0))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2,
                                             BLOCK_N, True, CAUSAL, s_layout)
@@ -314,13 +357,13 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
         # Mask-free blocks, then the blocks on the diagonal / ragged end.
         split = gl.maximum(n_unmasked, 1)
         acc, p_op, m_i, l_i = _pipelined_blocks(
-            q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
+            q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
             1, split, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout)
+            BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK)
         acc, p_op, m_i, l_i = _pipelined_blocks(
-            q_op, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
+            q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
             split, n_total, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout)
+            BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK)
 
         # Drain: O += P_last V_last.
         last = n_total - 1
@@ -370,7 +413,11 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
             row_off = ((q_start + o_rows).to(gl.int64) * (stride_o_s // 8 * 8)
                        + head.to(gl.int64) * (stride_o_h // 8 * 8))
             o_ptrs = o_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
-            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < rows_end, 1))
+            keep = gl.expand_dims(o_rows < rows_end, 1)
+            if HEAD_DIM_TRUE < HEAD_DIM:
+                # Padded tiles: the columns past the head dim are the next head's.
+                keep = keep & gl.expand_dims(o_cols < HEAD_DIM_TRUE, 0)
+            gl.store(o_ptrs, out, mask=keep)
     else:
         lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
         gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
@@ -389,7 +436,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
               CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr):
+              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
         IS_VARLEN)
@@ -401,12 +448,12 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
                      stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
                      CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                     seqused_q is not None)
+                     seqused_q is not None, HEAD_DIM_TRUE)
     else:
         _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                  stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                  start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
-                 CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False)
+                 CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE)
 
 
 @gluon.jit
@@ -415,11 +462,11 @@ def _consumer0(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
                seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr):
+               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)
+              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 @gluon.jit
@@ -428,11 +475,11 @@ def _consumer1(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
                seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr):
+               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)
+              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 @gluon.jit
@@ -441,11 +488,11 @@ def _consumer2(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
                seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr):
+               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)
+              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +511,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                           PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-                          IS_VARLEN: gl.constexpr):
+                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -498,11 +545,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
             (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
             (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
                        BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
@@ -512,15 +559,15 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
             (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
             (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
             (_consumer2, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
                           stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
                           seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN)),
+                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
                        BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
@@ -592,10 +639,13 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     if min(grid) == 0:
         return lambda: None
 
-    q_desc = gluon_descriptor(q, ROWS_PER_CONSUMER)
-    o_desc = gluon_descriptor(out, ROWS_PER_CONSUMER)
-    k_desc = gluon_descriptor(k, cfg.block_n)
-    v_desc = gluon_descriptor(v, cfg.block_n)
+    # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
+    # the tensors, whose missing columns TMA reads as zeros and never writes.
+    block_d = padded_head_dim(head_dim)
+    q_desc = gluon_descriptor(q, ROWS_PER_CONSUMER, block_d)
+    o_desc = gluon_descriptor(out, ROWS_PER_CONSUMER, block_d)
+    k_desc = gluon_descriptor(k, cfg.block_n, block_d)
+    v_desc = gluon_descriptor(v, cfg.block_n, block_d)
 
     def launch():
         return gluon_attn_fwd_kernel[grid](
@@ -604,7 +654,7 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *out_args,
             BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
             CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
-            CAUSAL=bool(causal), IS_VARLEN=varlen,
+            CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim,
             num_warps=4,
         )
     return launch
