@@ -21,31 +21,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashtile import flash_attn_func  # noqa: E402
-from flashtile.configs import BWD_DKDV, BWD_DQ, FWD, KernelConfig, override  # noqa: E402
+from flashtile.configs import BWD_DKDV, BWD_DQ, FWD, PORTABLE_CANDIDATES, override  # noqa: E402
 from flashtile.testing import rel_error  # noqa: E402
 
-C = KernelConfig
-CANDIDATES = {
-    FWD: {
-        64: [C(64, 64, 4, 3), C(128, 64, 4, 3, True), C(128, 64, 4, 3, True, True), C(128, 128, 8, 3, True, True),
-             C(128, 128, 4, 3, True, True), C(128, 64, 8, 3, True, True), C(128, 128, 8, 2, True)],
-        128: [C(128, 64, 8, 3), C(128, 64, 8, 3, True), C(128, 128, 8, 3, True), C(128, 64, 8, 3, True, True),
-              C(128, 128, 8, 3, True, True), C(128, 128, 8, 2, True, True), C(128, 128, 4, 3, True, True),
-              C(128, 64, 4, 3, True, True)],
-        256: [C(128, 64, 8, 2), C(128, 64, 8, 2, True), C(128, 64, 8, 2, True, True), C(128, 128, 8, 2, True, True),
-              C(64, 128, 4, 2, True, True), C(128, 32, 8, 3, True, True), C(64, 64, 4, 3, True, True)],
-    },
-    BWD_DKDV: {
-        64: [C(64, 64, 4, 2), C(32, 128, 4, 3), C(32, 64, 4, 3), C(64, 128, 8, 2), C(32, 128, 8, 3), C(16, 64, 4, 3)],
-        128: [C(64, 64, 8, 2), C(32, 64, 4, 3), C(32, 128, 8, 3), C(32, 128, 8, 2), C(64, 128, 8, 2), C(16, 64, 4, 3), C(32, 64, 8, 2)],
-        256: [C(32, 64, 8, 1), C(32, 64, 8, 2), C(16, 64, 4, 2), C(32, 32, 4, 2), C(64, 64, 8, 1), C(16, 128, 8, 2)],
-    },
-    BWD_DQ: {
-        64: [C(64, 64, 4, 2), C(128, 32, 4, 3), C(64, 32, 4, 3), C(128, 64, 8, 2), C(128, 32, 8, 3)],
-        128: [C(64, 64, 8, 2), C(64, 32, 4, 3), C(128, 32, 8, 3), C(128, 64, 8, 2), C(64, 64, 4, 3), C(128, 32, 4, 2)],
-        256: [C(64, 32, 8, 1), C(64, 32, 8, 2), C(64, 32, 4, 2), C(32, 64, 4, 2), C(128, 32, 8, 2), C(64, 16, 4, 2)],
-    },
-}
+# The candidates live with the tables (flashtile/configs.py), shared with the autotuner.
+CANDIDATES = PORTABLE_CANDIDATES
 
 
 def run_once(q, k, v, dout, causal, kernel):

@@ -205,6 +205,39 @@ _TUNED: dict = {
 }
 
 
+# Alternatives to the tables for the portable kernels, per kernel and padded head dim: what
+# bench/tune_configs.py times to fill the tables, and what FLASHTILE_AUTOTUNE=1 searches
+# (flashtile/autotune.py). The Hopper kernels keep theirs next to the code (CANDIDATES).
+_C = KernelConfig
+PORTABLE_CANDIDATES = {
+    FWD: {
+        64: [_C(64, 64, 4, 3), _C(128, 64, 4, 3, True), _C(128, 64, 4, 3, True, True), _C(128, 128, 8, 3, True, True),
+             _C(128, 128, 4, 3, True, True), _C(128, 64, 8, 3, True, True), _C(128, 128, 8, 2, True)],
+        128: [_C(128, 64, 8, 3), _C(128, 64, 8, 3, True), _C(128, 128, 8, 3, True), _C(128, 64, 8, 3, True, True),
+              _C(128, 128, 8, 3, True, True), _C(128, 128, 8, 2, True, True), _C(128, 128, 4, 3, True, True),
+              _C(128, 64, 4, 3, True, True)],
+        256: [_C(128, 64, 8, 2), _C(128, 64, 8, 2, True), _C(128, 64, 8, 2, True, True),
+              _C(128, 128, 8, 2, True, True), _C(64, 128, 4, 2, True, True), _C(128, 32, 8, 3, True, True),
+              _C(64, 64, 4, 3, True, True)],
+    },
+    BWD_DKDV: {
+        64: [_C(64, 64, 4, 2), _C(32, 128, 4, 3), _C(32, 64, 4, 3), _C(64, 128, 8, 2), _C(32, 128, 8, 3),
+             _C(16, 64, 4, 3)],
+        128: [_C(64, 64, 8, 2), _C(32, 64, 4, 3), _C(32, 128, 8, 3), _C(32, 128, 8, 2), _C(64, 128, 8, 2),
+              _C(16, 64, 4, 3), _C(32, 64, 8, 2)],
+        256: [_C(32, 64, 8, 1), _C(32, 64, 8, 2), _C(16, 64, 4, 2), _C(32, 32, 4, 2), _C(64, 64, 8, 1),
+              _C(16, 128, 8, 2)],
+    },
+    BWD_DQ: {
+        64: [_C(64, 64, 4, 2), _C(128, 32, 4, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 2), _C(128, 32, 8, 3)],
+        128: [_C(64, 64, 8, 2), _C(64, 32, 4, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 2), _C(64, 64, 4, 3),
+              _C(128, 32, 4, 2)],
+        256: [_C(64, 32, 8, 1), _C(64, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 64, 4, 2), _C(128, 32, 8, 2),
+              _C(64, 16, 4, 2)],
+    },
+}
+
+
 # Set by :func:`override` (tuning scripts, experiments): {kernel: config}.
 _OVERRIDES: dict = {}
 

@@ -9,14 +9,15 @@ saying where each sequence lives; the same kernels serve both (see kernels/seqle
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, Config, get_config, overridden,
-                       padded_head_dim)
+from .. import autotune
+from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, PORTABLE_CANDIDATES, Config, get_config,
+                       overridden, padded_head_dim)
 from ..runtime import arch_of, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .forward import attn_fwd_kernel
@@ -188,20 +189,37 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``."""
     if out.numel() == 0:
         return
+    _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
     gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
-        from .gluon_forward import gluon_attention_forward
+        from .gluon_forward import CANDIDATES, gluon_attention_forward
 
-        if seqs is None:
-            gluon_attention_forward(q, k, v, out, lse, params.softmax_scale, params.causal, gluon_cfg)
-        else:
-            gluon_attention_forward(q, k, v, out, lse[0], params.softmax_scale, params.causal, gluon_cfg,
-                                    cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
-                                    seqused_q=seqs.seqused_q, max_seqlen_q=seqs.max_seqlen_q)
+        varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
+                                               seqused_q=seqs.seqused_q, max_seqlen_q=seqs.max_seqlen_q)
+        lse_arg = lse if seqs is None else lse[0]
+
+        def run(cfg):
+            gluon_attention_forward(q, k, v, out, lse_arg, params.softmax_scale, params.causal, cfg, **varlen)
+        run(_tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run))
         return
-    _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
     cfg = get_config(FWD, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    cfg = _tuned(FWD, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[FWD],
+                 lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
     launch_forward(q, k, v, out, lse, params, cfg, seqs)
+
+
+def _tuned(kernel: str, q, params: ScoreParams, seqlen_k: int, cfg: Config, candidates: dict,
+           run: Callable[[Config], None]) -> Config:
+    """``cfg`` (the table's), or with FLASHTILE_AUTOTUNE=1 the fastest of it and ``candidates``
+    (per padded head dim) for this shape class, timed through ``run`` once and remembered on
+    disk (flashtile/autotune.py). Never replaces a config given with override()."""
+    if not autotune.enabled() or q.device.type != "cuda" or overridden(kernel):
+        return cfg
+    head_dim = q.shape[-1]
+    options = candidates.get(padded_head_dim(head_dim), {})
+    options = list(options.values()) if isinstance(options, dict) else list(options)
+    key = autotune.shape_key(kernel, q.device, arch_of(q.device), head_dim, params.causal, seqlen_k, q.dtype)
+    return autotune.choose(key, [cfg, *options], run)
 
 
 def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None) -> None:
@@ -282,34 +300,39 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m)
     gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None:
-        from .gluon_backward import gluon_attention_backward
+        from .gluon_backward import CANDIDATES, gluon_attention_backward
 
-        if seqs is None:
+        varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
+                                               seqused_q=seqs.seqused_q, max_seqlen_k=seqs.max_seqlen_k)
+
+        def run_gluon(cfg):
             gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, params.softmax_scale,
-                                     params.causal, gluon_cfg)
-        else:
-            gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, params.softmax_scale,
-                                     params.causal, gluon_cfg, cu_seqlens_q=seqs.cu_seqlens_q,
-                                     cu_seqlens_k=seqs.cu_seqlens_k, seqused_q=seqs.seqused_q,
-                                     max_seqlen_k=seqs.max_seqlen_k)
+                                     params.causal, cfg, **varlen)
+        run_gluon(_tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon))
         return
     common = (*_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(dout))
 
-    if k.shape[1] > 0:
-        cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    def run_dkdv(cfg):
         attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg.block_n), nheads_k, batch)](
             q, k, v, dout, lse_log2, delta, dk, dv,
             *common, *_bsh_strides(dk), *_bsh_strides(dv), *_bh_strides(delta), **seq_args,
             softmax_scale=params.softmax_scale, **shape, **score,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
         )
+
+    def run_dq(cfg):
+        attn_bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
+            q, k, v, dout, lse_log2, delta, dq,
+            *common, *_bsh_strides(dq), *_bh_strides(delta), **seq_args,
+            softmax_scale=params.softmax_scale, **shape, **score,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
+        )
+
+    if k.shape[1] > 0:
+        cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+        run_dkdv(_tuned(BWD_DKDV, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[BWD_DKDV], run_dkdv))
     cfg = get_config(BWD_DQ, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
-    attn_bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
-        q, k, v, dout, lse_log2, delta, dq,
-        *common, *_bsh_strides(dq), *_bh_strides(delta), **seq_args,
-        softmax_scale=params.softmax_scale, **shape, **score,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
-    )
+    run_dq(_tuned(BWD_DQ, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[BWD_DQ], run_dq))
 
 
 def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
