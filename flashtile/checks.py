@@ -108,7 +108,7 @@ def _check_length(value, name: str) -> None:
 
 
 def check_varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       seqused_q=None, seqused_k=None, validate: bool = False) -> None:
+                       seqused_q=None, seqused_k=None, validate: bool = False, block_table=None) -> None:
     """What can be checked without reading device memory: dtypes, shapes, devices, ints.
 
     With ``validate`` (FLASHTILE_VALIDATE=1, or CPU tensors where it costs nothing) also the
@@ -130,13 +130,35 @@ def check_varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     _check_length(max_seqlen_k, "max_seqlen_k")
     if batch > MAX_GRID_DIM:
         raise ValueError(f"cu_seqlens_q describes {batch} sequences; at most {MAX_GRID_DIM} are supported")
+    if block_table is not None:
+        _check_block_table(block_table, k, batch, q.device)
     if validate:
-        _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+        _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                                  block_table)
 
 
-def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k):
+def _check_block_table(block_table, k, batch: int, device) -> None:
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table has dtype {_dtype_name(block_table.dtype)}; expected int32")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected ({batch}, pages per sequence)")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {device}")
+    if block_table.shape[1] > 0 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have a unit stride in its last dimension, got {block_table.stride()}")
+    if k.dim() != 4 or k.shape[0] == 0 or k.shape[1] == 0:
+        raise ValueError(f"with block_table, k and v must be paged caches (num_pages, page_size, nheads_k, headdim) "
+                         f"with at least one page of at least one row, got {tuple(k.shape)}")
+
+
+def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                              block_table=None):
+    # A paged cache bounds each sequence's keys by its pages, not by a packed total.
+    k_total = None if block_table is not None else k.shape[0]
     for side, cu, total, max_len, used in (("q", cu_seqlens_q, q.shape[0], max_seqlen_q, seqused_q),
-                                          ("k", cu_seqlens_k, k.shape[0], max_seqlen_k, seqused_k)):
+                                          ("k", cu_seqlens_k, k_total, max_seqlen_k, seqused_k)):
         name = f"cu_seqlens_{side}"
         cu = cu.cpu().long()
         lengths = cu[1:] - cu[:-1]
@@ -146,7 +168,7 @@ def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             at = int((lengths < 0).nonzero()[0])
             raise ValueError(f"{name} must not decrease: entry {at + 1} ({cu[at + 1].item()}) < entry {at} "
                              f"({cu[at].item()})")
-        if cu[-1].item() != total:
+        if total is not None and cu[-1].item() != total:
             raise ValueError(f"{name} ends at {cu[-1].item()} but {'q' if side == 'q' else 'k/v'} holds {total} "
                              "tokens: the last entry must equal the packed total")
         if lengths.numel() and lengths.max().item() > max_len:
@@ -158,3 +180,19 @@ def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 at = int(((used < 0) | (used > lengths)).nonzero()[0])
                 raise ValueError(f"seqused_{side}[{at}] = {used[at].item()} is outside [0, {lengths[at].item()}], "
                                  f"the length {name} reserves for sequence {at}")
+    if block_table is not None:
+        table = block_table.cpu().long()
+        capacity = table.shape[1] * k.shape[1]
+        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).cpu().long()
+        if seqused_k is not None:
+            lengths = torch.minimum(lengths, seqused_k.cpu().long())
+        if lengths.numel() and lengths.max().item() > capacity:
+            at = int(lengths.argmax())
+            raise ValueError(f"sequence {at} has {lengths[at].item()} keys but block_table holds {table.shape[1]} pages "
+                             f"of {k.shape[1]} rows ({capacity} keys) per sequence")
+        pages_used = (lengths + k.shape[1] - 1) // k.shape[1]
+        for b in range(table.shape[0]):
+            used = table[b, :pages_used[b]]
+            if ((used < 0) | (used >= k.shape[0])).any():
+                bad = used[(used < 0) | (used >= k.shape[0])][0].item()
+                raise ValueError(f"block_table[{b}] points at page {bad}, outside the {k.shape[0]} pages of k / v")

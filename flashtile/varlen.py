@@ -16,13 +16,22 @@ from .runtime import empty_like, validate_enabled
 
 
 def _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                 ) -> PackedSeqs:
+                 block_table=None) -> PackedSeqs:
     """Check the sequence layout (contents too under FLASHTILE_VALIDATE=1, or on CPU) and pack it."""
     checks.check_varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              validate=validate_enabled() or q.device.type == "cpu")
+                              validate=validate_enabled() or q.device.type == "cpu", block_table=block_table)
     return PackedSeqs(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k),
                       None if seqused_q is None else seqused_q.contiguous(),
-                      None if seqused_k is None else seqused_k.contiguous())
+                      None if seqused_k is None else seqused_k.contiguous(), block_table)
+
+
+def _paged_forward(q, k_cache, v_cache, seqs: PackedSeqs, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, return_attn_probs):
+    """The forward over a paged K/V cache (no autograd: the cache is not differentiated through)."""
+    params = _score_params(q.unsqueeze(0), k_cache, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, batch=seqs.batch)
+    out, lse, probs = _forward(q.unsqueeze(0), k_cache, v_cache, params, return_attn_probs, seqs)
+    return (out[0], lse[0], probs) if return_attn_probs else out[0]
 
 
 def _grad_buffer(t: torch.Tensor, seqused: Optional[torch.Tensor]) -> torch.Tensor:
@@ -119,18 +128,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         seqused_q, seqused_k: optional int32 (batch,): sequence b uses only the first seqused[b]
             of the tokens cu_seqlens reserves for it. Unused query rows get out 0 and lse -inf,
             unused tokens a zero gradient.
-        block_table: paged K/V, not supported yet by the varlen entry point (raises).
+        block_table: optional int32 (batch, pages per sequence): k and v are then paged caches
+            (num_pages, page_size, nheads_k, headdim), and key t of sequence b lives at page
+            block_table[b, t // page_size], row t % page_size; cu_seqlens_k (or seqused_k) gives each
+            sequence's key count. Inference only (no backward through the cache), portable kernels.
     Returns:
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.check_tensor(t, name, 3)
+    paged = block_table is not None
+    checks.check_tensor(q, "q", 3)
+    for name, t in (("k", k), ("v", v)):
+        checks.check_tensor(t, name, 4 if paged else 3)
     checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
+    if paged:
+        checks.check_qkv_shapes(q, k[0], v[0])  # heads and head dims; a page stands for the keys
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("block_table (paged K/V) serves inference: there is no backward through a paged "
+                             "cache; call under torch.no_grad() or pass tensors that do not require grad")
+        seqs = _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                            block_table)
+        return _paged_forward(q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                              return_attn_probs)
     checks.check_qkv_shapes(q, k, v)
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged K/V) is not supported by flash_attn_varlen_func yet; "
-                                  "pass contiguous k, v")
     seqs = _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     return FlashAttnVarlenFunc.apply(q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
                                      alibi_slopes, deterministic, return_attn_probs)

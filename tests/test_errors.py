@@ -150,7 +150,7 @@ def test_varlen_bad_shapes():
     _raises(ValueError, "q has 4 heads and k has 3", flash_attn_varlen_func, q, k3, v3, cu, cu, n, n)
     _raises(ValueError, "v has shape \\(16, 2, 16\\); expected the shape of k, \\(16, 2, 32\\)",
             flash_attn_varlen_func, q, k, v[..., :16], cu, cu, n, n)
-    _raises(NotImplementedError, "block_table", flash_attn_varlen_func, q, k, v, cu, cu, n, n,
+    _raises(ValueError, "k must have 4 dimensions", flash_attn_varlen_func, q, k, v, cu, cu, n, n,
             block_table=torch.zeros(3, 1, dtype=torch.int32, device=DEVICE))
 
 
@@ -177,3 +177,17 @@ def test_unpad_input_bad_mask():
     hidden = randn(2, 6, 3, dtype=torch.float32)
     _raises(ValueError, "attention_mask has shape \\(2, 5\\)", unpad_input, hidden,
             torch.ones(2, 5, dtype=torch.bool, device=DEVICE))
+
+
+@pytest.mark.skipif(ON_GPU, reason="contents are validated on CPU (free) or with FLASHTILE_VALIDATE=1")
+def test_block_table_contents_checked_on_cpu():
+    q, _, _, cu, n = _packed()
+    pages = randn(4, 16, 2, 32, dtype=torch.float16)
+    table = torch.tensor([[0], [1], [7]], dtype=torch.int32)
+    with torch.no_grad():
+        _raises(ValueError, "block_table\\[2\\] points at page 7, outside the 4 pages", flash_attn_varlen_func,
+                q, pages, pages, cu, cu, n, n, block_table=table)
+        _raises(ValueError, "sequence 2 has 11 keys but block_table holds 1 pages of 8 rows",
+                flash_attn_varlen_func, q, pages[:, :8], pages[:, :8], cu, cu, n, n, block_table=table % 4)
+        _raises(TypeError, "block_table has dtype int64", flash_attn_varlen_func, q, pages, pages, cu, cu, n, n,
+                block_table=table.long())

@@ -190,3 +190,56 @@ def test_padded_attention_through_varlen():
         dense = flash_attn_func(*qkv[b:b + 1, :n].unbind(dim=2), causal=True)
         torch.testing.assert_close(out[b:b + 1, :n], dense, rtol=2e-3, atol=2e-3)
     assert torch.equal(out[0, 37:], torch.zeros_like(out[0, 37:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged K/V (block_table): inference over a cache scattered in fixed-size pages
+# ---------------------------------------------------------------------------------------------
+
+def to_pages(k, lengths_k, page_size, extra_pages=3):
+    """k (total_k, hk, d) -> a shuffled page pool (num_pages, page_size, hk, d) and the block table
+    (batch, pages per sequence) that finds every sequence's keys in it; unused slots hold NaN."""
+    pages_per_seq = max(1, max(-(-n // page_size) for n in lengths_k))
+    num_pages = len(lengths_k) * pages_per_seq + extra_pages
+    order = torch.randperm(num_pages).tolist()
+    pool = torch.full((num_pages, page_size) + tuple(k.shape[1:]), float("nan"), dtype=k.dtype, device=k.device)
+    table = torch.zeros(len(lengths_k), pages_per_seq, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lengths_k):
+        for p in range(pages_per_seq):
+            page = order.pop()
+            table[b, p] = page
+            rows = k[start + p * page_size:start + min(n, (p + 1) * page_size)]
+            pool[page, :rows.shape[0]] = rows
+        start += n
+    return pool, table.to(k.device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 48])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_kv(dtype, page_size, causal):
+    lengths_q, lengths_k = LENGTHS[0]
+    q, k, v = make_packed(lengths_q, lengths_k, NHEADS, 2, 64, dtype)
+    kv_pages, table = to_pages(torch.stack([k, v], dim=1).detach(), lengths_k, page_size)
+    k_pages, v_pages = kv_pages[:, :, 0], kv_pages[:, :, 1]  # strided views: one table for both
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    with torch.no_grad():
+        paged, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                               causal=causal, block_table=table, return_attn_probs=True)
+        packed, packed_lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                       causal=causal, return_attn_probs=True)
+    torch.testing.assert_close(paged, packed, rtol=0, atol=0)
+    torch.testing.assert_close(lse, packed_lse, rtol=0, atol=0)
+
+
+def test_paged_kv_is_inference_only():
+    lengths = [5, 9]
+    q, k, v = make_packed(lengths, lengths, NHEADS, 2, 32, DTYPES[0])
+    k_pages, table = to_pages(k.detach(), lengths, 16)
+    cu = cu_seqlens(lengths)
+    with pytest.raises(ValueError, match="block_table \\(paged K/V\\) serves inference"):
+        flash_attn_varlen_func(q, k_pages, k_pages, cu, cu, 9, 9, block_table=table)
+    with pytest.raises(ValueError, match="block_table has shape \\(1, 1\\); expected \\(2, pages per sequence\\)"):
+        with torch.no_grad():
+            flash_attn_varlen_func(q, k_pages, k_pages, cu, cu, 9, 9, block_table=table[:1])

@@ -7,7 +7,7 @@ import triton.language as tl
 from .dropout import dropout_keep, dropout_row_offset
 from .scores import LN2, LOG2E, band_block_range, mask_scores, scores_log2
 from .seqlens import sequence_bounds
-from .tile_io import load_rows, store_rows
+from .tile_io import load_kv_rows, load_rows, store_rows
 
 
 @triton.jit
@@ -28,12 +28,13 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_v
                     APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                    BlockTable, stride_bt, page_stride_k, page_stride_v, num_pages, PAGE_SIZE: tl.constexpr):
     """Fold key blocks [col_start, col_end) into the running (acc, m_i, l_i)."""
     for start_n in tl.range(col_start, col_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
-        k = load_rows(k_src, b, h_kv, start_n, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D,
-                      APPLY_MASK, USE_TMA)
+        k = load_kv_rows(k_src, b, h_kv, start_n, cols, offs_d, stride_ks, seqlen_k, BlockTable, stride_bt,
+                         page_stride_k, num_pages, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SCALE_IN_EXP2:
             # Plain scaled scores (scale > 0): keep them raw so the scale and the max
@@ -61,8 +62,8 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_v
             # lse is of the undropped scores; only the p @ v product sees the mask.
             keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = load_rows(v_src, b, h_kv, start_n, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D,
-                      APPLY_MASK, USE_TMA)
+        v = load_kv_rows(v_src, b, h_kv, start_n, cols, offs_d, stride_vs, seqlen_k, BlockTable, stride_bt,
+                         page_stride_v, num_pages, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -77,17 +78,20 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lse_b, stride_lse_h,
     CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
+    BlockTable, stride_bt, seq_pages, num_pages,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
-    Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals)."""
+    Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
+    varlen only): K, V are (num_pages, PAGE_SIZE, hk, d) and BlockTable (batch, pages per
+    sequence) int32 maps each sequence's key positions to pages (tile_io.load_kv_rows)."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -101,6 +105,8 @@ def attn_fwd_kernel(
         # also breaks Triton's warp specialization of the key loop.)
         if start_m >= seqlen_q:
             return
+    if PAGE_SIZE > 0:
+        seqlen_k = tl.minimum(seqlen_k, seq_pages * PAGE_SIZE)  # what the block table can address
     diag = seqlen_k - seqlen_q
 
     if USE_TMA:
@@ -110,8 +116,12 @@ def attn_fwd_kernel(
         o_dst = Out
     else:
         q_src = Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh
-        k_src = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
-        v_src = V + b.to(tl.int64) * stride_vb + k_start * stride_vs + h_kv.to(tl.int64) * stride_vh
+        if PAGE_SIZE > 0:  # rows are found through the block table; stride_kb is the page stride
+            k_src = K + h_kv.to(tl.int64) * stride_kh
+            v_src = V + h_kv.to(tl.int64) * stride_vh
+        else:
+            k_src = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
+            v_src = V + b.to(tl.int64) * stride_vb + k_start * stride_vs + h_kv.to(tl.int64) * stride_vh
         o_dst = Out + b.to(tl.int64) * stride_ob + q_start * stride_os + h.to(tl.int64) * stride_oh
 
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -137,19 +147,22 @@ def attn_fwd_kernel(
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
+        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, PAGE_SIZE)
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
+        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, PAGE_SIZE)
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE)
+        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, PAGE_SIZE)
 
     # A row that saw no key at all (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0

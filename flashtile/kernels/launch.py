@@ -98,6 +98,9 @@ class PackedSeqs:
     cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) prefix sums on the tensors' device.
     max_seqlen_q / max_seqlen_k: host ints, at least every sequence's length (they size the grid).
     seqused_q / seqused_k: optional int32 (batch,): sequence b uses only its first seqused[b] tokens.
+    block_table: optional int32 (batch, pages per sequence): K and V are then a paged cache
+    (num_pages, page_size, hk, d) and key t of sequence b lives at page block_table[b, t // page_size]
+    (forward only); cu_seqlens_k then only gives the key counts.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -106,10 +109,15 @@ class PackedSeqs:
     max_seqlen_k: int
     seqused_q: Optional[torch.Tensor] = None
     seqused_k: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
 
     @property
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
 
 
 _DENSE_SEQ_ARGS = dict(CuSeqlensQ=None, CuSeqlensK=None, SeqUsedQ=None, SeqUsedK=None, IS_VARLEN=False)
@@ -121,6 +129,18 @@ def _seq_args(seqs: Optional[PackedSeqs]) -> dict:
         return _DENSE_SEQ_ARGS
     return dict(CuSeqlensQ=seqs.cu_seqlens_q, CuSeqlensK=seqs.cu_seqlens_k, SeqUsedQ=seqs.seqused_q,
                 SeqUsedK=seqs.seqused_k, IS_VARLEN=True)
+
+
+_NO_PAGES = dict(BlockTable=None, stride_bt=0, seq_pages=0, num_pages=0, PAGE_SIZE=0)
+
+
+def _page_args(k: torch.Tensor, seqs: Optional[PackedSeqs]) -> dict:
+    """The paged-K/V arguments of the forward and probs kernels (k: the paged cache)."""
+    if seqs is None or not seqs.paged:
+        return _NO_PAGES
+    table = seqs.block_table
+    return dict(BlockTable=table, stride_bt=table.stride(0), seq_pages=table.shape[1], num_pages=k.shape[0],
+                PAGE_SIZE=k.shape[1])
 
 
 def _grid_lengths(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs]) -> tuple:
@@ -146,10 +166,12 @@ def _bh_strides(t: torch.Tensor) -> tuple:
     return _batch_stride(t), t.stride(1)
 
 
-def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
-    """Sizes every kernel takes: seqlen_q / seqlen_k are the packed totals when varlen."""
+def _shape_args(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs] = None) -> dict:
+    """Sizes every kernel takes: seqlen_q / seqlen_k are the packed totals when varlen (for a
+    paged cache no total bounds the keys: the block table does, in the kernel)."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    return dict(nheads=nheads, head_group=nheads // k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+    seqlen_k = 2**31 - 1 if seqs is not None and seqs.paged else k.shape[1]
+    return dict(nheads=nheads, head_group=nheads // k.shape[2], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
 
 
@@ -161,7 +183,7 @@ def row_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDesc
 def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> Optional[Config]:
     """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
     call, else None: the call runs on the portable Triton kernels."""
-    if q.device.type != "cuda" or portable_only() or not params.plain:
+    if q.device.type != "cuda" or portable_only() or not params.plain or (seqs is not None and seqs.paged):
         return None
     if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):
         # The Gluon kernels read whole tiles past a sequence's end and mask them; slots past
@@ -239,7 +261,7 @@ def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[P
     attn_fwd_kernel[grid](
         *tiles, lse,
         *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse),
-        **_seq_args(seqs), **_shape_args(q, k), **params.kernel_args(q.dtype),
+        **_seq_args(seqs), **_page_args(k, seqs), **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
         SCALE_IN_EXP2=params.scaled_dot_products,
         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
@@ -350,8 +372,8 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
     attn_probs_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
         q, k, lse, probs,
         *_bsh_strides(q), *_bsh_strides(k), *_bh_strides(lse),
-        probs.stride(0), probs.stride(1), probs.stride(2), **_seq_args(seqs),
-        **_shape_args(q, k), **params.kernel_args(q.dtype),
+        probs.stride(0), probs.stride(1), probs.stride(2), **_seq_args(seqs), **_page_args(k, seqs),
+        **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return probs

@@ -12,7 +12,7 @@ from .dropout import dropout_keep, dropout_row_offset
 from .forward import load_alibi_slope_log2
 from .scores import LOG2E, mask_scores, scores_log2
 from .seqlens import sequence_bounds
-from .tile_io import load_tile
+from .tile_io import load_kv_rows, load_tile
 
 
 @triton.jit
@@ -23,13 +23,14 @@ def attn_probs_kernel(
     stride_lse_b, stride_lse_h,
     stride_pb, stride_ph, stride_ps,
     CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
+    BlockTable, stride_bt, seq_pages, num_pages,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """Probs: (b, h, max_seqlen_q, max_seqlen_k); entries outside a sequence's own
     (seqlen_q, seqlen_k) are left as they are (the host zero-fills them for varlen)."""
@@ -44,6 +45,8 @@ def attn_probs_kernel(
     if IS_VARLEN:  # the grid fits the longest sequence (dense grids are exact)
         if start_m >= seqlen_q:
             return
+    if PAGE_SIZE > 0:
+        seqlen_k = tl.minimum(seqlen_k, seq_pages * PAGE_SIZE)
     diag = seqlen_k - seqlen_q
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -53,7 +56,10 @@ def attn_probs_kernel(
     lse = tl.load(Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows,
                   mask=rows < seqlen_q, other=0.0)
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    k_base = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
+    if PAGE_SIZE > 0:  # rows are found through the block table; stride_kb is the page stride
+        k_base = K + h_kv.to(tl.int64) * stride_kh
+    else:
+        k_base = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
     p_base = Probs + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
     alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
     dropout_seed = 0
@@ -63,7 +69,8 @@ def attn_probs_kernel(
 
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
-        k = load_tile(k_base, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, True)
+        k = load_kv_rows(k_base, b, h_kv, start_n, cols, offs_d, stride_ks, seqlen_k, BlockTable, stride_bt,
+                         stride_kb, num_pages, HEAD_DIM, BLOCK_D, True, False, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
                            HAS_SOFTCAP, HAS_ALIBI)
