@@ -1,6 +1,7 @@
 """flashtile: exact FlashAttention in Triton, behind the flash_attn API."""
 
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .kvcache import flash_attn_with_kvcache
 from .padding import pad_input, unpad_input
 from .varlen import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
 
@@ -13,6 +14,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "pad_input",
     "unpad_input",
 ]

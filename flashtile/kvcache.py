@@ -1,0 +1,211 @@
+"""Inference against a kv cache: ``flash_attn_with_kvcache`` (flash_attn 2.x semantics).
+
+The call (1) rotates q and the new k when rotary tables are given, (2) writes the new k, v into the
+cache in place at each sequence's ``cache_seqlens``, and (3) attends q to the cache. Step 3 is the
+packed (varlen) forward over a paged cache: a contiguous cache (batch_cache, seqlen_cache, hk, d) is
+a pool of one page per sequence, with ``cache_batch_idx`` as the block table; a paged cache comes
+with its own ``block_table``. No step reads the device from the host.
+
+Not yet here (issue 5): ``cache_leftpad`` (raises), split-KV decoding (``num_splits`` is accepted;
+every split count gives the same numbers, one program per query block is used), and a fused
+append/rotary kernel (steps 1-2 are a few PyTorch ops).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import checks
+from .interface import _forward, _score_params
+from .kernels.launch import PackedSeqs
+from .runtime import validate_enabled
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """x (b, s, h, d) rotated at ``positions`` (b, s) by the first 2 * cos.shape[1] channels.
+
+    interleaved: channel pairs (0, 1), (2, 3), ... rotate together (GPT-J); otherwise the two
+    halves of the rotary channels do (GPT-NeoX). Computed in float32, returned in x's dtype.
+    """
+    half = cos.shape[1]
+    cos_p = cos[positions].unsqueeze(2).float()  # (b, s, 1, half)
+    sin_p = sin[positions].unsqueeze(2).float()
+    rot, rest = x[..., :2 * half].float(), x[..., 2 * half:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * cos_p - x2 * sin_p, x1 * sin_p + x2 * cos_p], dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([x1 * cos_p - x2 * sin_p, x1 * sin_p + x2 * cos_p], dim=-1)
+    return torch.cat([rotated.to(x.dtype), rest], dim=-1)
+
+
+def _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      block_table, batch: int) -> None:
+    checks.check_tensor(q, "q", 4)
+    checks.check_tensor(k_cache, "k_cache", 4)
+    checks.check_tensor(v_cache, "v_cache", 4)
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new tokens to append), or both left None")
+    if k is not None:
+        checks.check_tensor(k, "k", 4)
+        checks.check_tensor(v, "v", 4)
+        tensors.update(k=k, v=v)
+    checks.check_same_dtype_and_device(tensors)
+    checks.check_qkv_shapes(q[0], k_cache[0], v_cache[0], names=("q", "k_cache", "v_cache"))
+    if k is not None:
+        expected = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (batch, seqlen_new, nheads_k, headdim) "
+                                 f"= {expected}")
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must be an int or an int32 tensor of shape ({batch},), got "
+                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    elif cache_seqlens is not None and (not isinstance(cache_seqlens, int) or cache_seqlens < 0):
+        raise TypeError(f"cache_seqlens must be an int >= 0, an int32 tensor or None, got {cache_seqlens!r}")
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError("cache_batch_idx picks rows of a contiguous cache; with block_table the table does")
+        if cache_batch_idx.dtype != torch.int32 or tuple(cache_batch_idx.shape) != (batch,):
+            raise ValueError(f"cache_batch_idx must be an int32 tensor of shape ({batch},), got "
+                             f"{cache_batch_idx.dtype} {tuple(cache_batch_idx.shape)}")
+    if block_table is None and cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache has {k_cache.shape[0]} rows but q has batch {batch}: pass cache_batch_idx "
+                         "or a cache with a row per sequence")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        rotary_dim = 2 * rotary_cos.shape[-1]
+        if rotary_cos.dim() != 2 or tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
+            raise ValueError(f"rotary_cos and rotary_sin must both have shape (seqlen_ro, rotary_dim / 2), got "
+                             f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if rotary_dim > q.shape[-1]:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} exceeds the head dim {q.shape[-1]}")
+
+
+def _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, rows, block_table, num_pages,
+                       rotary_len, rotated_positions_end) -> None:
+    """Checks that need the device's values (CPU tensors, or FLASHTILE_VALIDATE=1): run before the
+    cache is written, so a bad call leaves it untouched."""
+    lengths = cache_seqlens.cpu().long()
+    if (lengths < 0).any() or (lengths + seqlen_new > capacity).any():
+        at = int(((lengths < 0) | (lengths + seqlen_new > capacity)).nonzero()[0])
+        raise ValueError(f"cache_seqlens[{at}] = {lengths[at].item()} plus {seqlen_new} new tokens does not fit the "
+                         f"cache's {capacity} positions per sequence")
+    if cache_batch_idx is not None:
+        idx = cache_batch_idx.cpu().long()
+        if ((idx < 0) | (idx >= rows)).any():
+            raise ValueError(f"cache_batch_idx holds {idx[(idx < 0) | (idx >= rows)][0].item()}, outside the "
+                             f"{rows} rows of k_cache")
+    if block_table is not None:
+        page = capacity // block_table.shape[1]
+        table = block_table.cpu().long()
+        for b in range(table.shape[0]):
+            used = table[b, :(lengths[b].item() + seqlen_new + page - 1) // page]
+            if ((used < 0) | (used >= num_pages)).any():
+                bad = used[(used < 0) | (used >= num_pages)][0].item()
+                raise ValueError(f"block_table[{b}] points at page {bad}, outside the {num_pages} pages of k_cache")
+    if rotary_len is not None and (lengths + rotated_positions_end).max().item() > rotary_len:
+        raise ValueError(f"rotary_cos has {rotary_len} positions but the call rotates up to position "
+                         f"{(lengths + rotated_positions_end).max().item() - 1}: the tables are too short")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale: Optional[float] = None, causal: bool = False,
+                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """Attention of new queries against a kv cache, appending new keys and values first.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with block_table a
+            paged cache (num_blocks, page_block_size, nheads_k, headdim).
+        k, v: optional (batch, seqlen_new, nheads_k, headdim): written into the cache in place at
+            positions cache_seqlens[b] ... of sequence b (rotated first, with rotary tables).
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2): rotary embedding of the new k
+            at positions cache_seqlens + t and of q at the same positions when causal or local,
+            otherwise every query at position cache_seqlens. rotary_interleaved: pairs (0, 1), ...
+            (True) or halves (False, GPT-NeoX).
+        cache_seqlens: int or int32 (batch,): tokens already in each sequence's cache (default 0).
+        cache_batch_idx: optional int32 (batch,): the cache row of each sequence (contiguous cache).
+        cache_leftpad: not supported yet (raises).
+        block_table: optional int32 (batch, max_blocks): the pages of each sequence (paged cache).
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func; causal and the
+            window are aligned to each sequence's cache_seqlens + seqlen_new keys.
+        num_splits: split-KV decoding factor; accepted for compatibility (the result does not
+            depend on it; this version always uses one program per query block).
+        return_softmax_lse: also return the logsumexp (batch, nheads, seqlen_q).
+    The caller's contract (checked on CPU and with FLASHTILE_VALIDATE=1, before anything is
+    written): the cache has room for the new tokens, cache_batch_idx and block_table point inside
+    the cache, and the rotary tables cover every position rotated.
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        checks.check_tensor(q, "q", 4)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not supported yet: pass caches whose tokens start at "
+                                  "position 0")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
+    _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      block_table, batch)
+    if block_table is not None:
+        checks._check_block_table(block_table, k_cache, batch, q.device)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        raise ValueError("flash_attn_with_kvcache serves inference: call it under torch.no_grad() or pass "
+                         "tensors that do not require grad")
+    device = q.device
+    seqlen_new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=device)
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if block_table is None:
+        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32,
+                                                                                 device=device)
+        block_table = rows[:, None]  # a contiguous cache is a pool of one page per sequence
+    local = causal or window_size[0] >= 0 or window_size[1] >= 0
+    rotated_end = seqlen_new
+    if rotary_cos is not None and local:
+        rotated_end = max(seqlen_new, seqlen_q)
+    if validate_enabled() or device.type == "cpu":
+        _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, k_cache.shape[0],
+                           block_table if paged else None, k_cache.shape[0],
+                           None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1))
+
+    with torch.no_grad():
+        if rotary_cos is not None:
+            steps = torch.arange(seqlen_q, device=device)
+            q_positions = (cache_seqlens[:, None] + (steps[None, :] if local else 0 * steps[None, :])).long()
+            q = apply_rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+        if k is not None:
+            positions = cache_seqlens[:, None].long() + torch.arange(seqlen_new, device=device)[None, :]
+            if rotary_cos is not None:
+                k = apply_rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+            page_size = k_cache.shape[1]
+            pages = block_table.long().gather(1, positions // page_size)
+            k_cache[pages, positions % page_size] = k
+            v_cache[pages, positions % page_size] = v
+
+        seqlens_k = cache_seqlens + seqlen_new
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        cu_seqlens_k = torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)])
+        cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
+        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqlen_q, capacity, block_table=block_table.to(torch.int32))
+        packed_q = q.reshape(batch * seqlen_q, nheads, head_dim)
+        params = _score_params(q, k_cache, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        out, lse, _ = _forward(packed_q.unsqueeze(0), k_cache, v_cache, params, False, seqs)
+    out = out[0].view(batch, seqlen_q, nheads, head_dim)
+    if return_softmax_lse:
+        return out, lse[0].view(nheads, batch, seqlen_q).transpose(0, 1)
+    return out

@@ -1,0 +1,119 @@
+"""flash_attn_with_kvcache against a reference that builds each sequence's keys and values by hand
+(cache prefix, appended tokens, rotary), for contiguous and paged caches."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.kvcache import apply_rotary
+from flashtile.reference import attention_naive
+from flashtile.testing import check_errors, rel_error
+
+from _cases import DEVICE, DTYPES, ON_GPU
+
+NHEADS, NHEADS_K = 4, 2
+HEAD_DIM = 64 if ON_GPU else 32
+
+
+def rotary_tables(length, rotary_dim):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, device=DEVICE).float() / rotary_dim))
+    angles = torch.arange(length, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def reference(q, k_full, v_full, cache_seqlens, seqlen_new, dtype, **options):
+    """Per sequence: attention of q[b] over the first cache_seqlens[b] + seqlen_new keys."""
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b]) + seqlen_new
+        out, _ = attention_naive(q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], dtype=dtype, **options)
+        outs.append(out)
+    return torch.cat(outs)
+
+
+def to_paged(cache, page_size):
+    """(batch, seqlen_cache, hk, d) -> shuffled pool (num_pages, page_size, hk, d) and block table."""
+    batch, seqlen = cache.shape[:2]
+    per_seq = seqlen // page_size
+    order = torch.randperm(batch * per_seq + 2, device=DEVICE)
+    table = order[:batch * per_seq].view(batch, per_seq).to(torch.int32)
+    pool = torch.randn((batch * per_seq + 2, page_size) + tuple(cache.shape[2:]), dtype=cache.dtype, device=DEVICE)
+    pool[table.long()] = cache.view(batch, per_seq, page_size, *cache.shape[2:])
+    return pool, table
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (3, 3), (4, 0), (1, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+def test_kvcache(dtype, paged, seqlen_q, seqlen_new, causal, rotary):
+    batch, seqlen_cache, page_size = 3, 96, 16
+    cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
+    q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
+    k_cache = torch.randn(cache_rows, seqlen_cache, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_new = torch.randn(batch, seqlen_new, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=dtype) if seqlen_new else None
+    v_new = torch.randn_like(k_new) if seqlen_new else None
+    cache_seqlens = torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE)
+    batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    cos = sin = None
+    if rotary:
+        cos, sin = rotary_tables(seqlen_cache, HEAD_DIM // 2)
+
+    # The reference: each sequence's full keys / values, built by hand.
+    rows = batch_idx.long()
+    k_full, v_full = k_cache[rows].clone(), v_cache[rows].clone()
+    q_ref = q
+    if seqlen_new:
+        positions = cache_seqlens[:, None].long() + torch.arange(seqlen_new, device=DEVICE)
+        k_put = apply_rotary(k_new, cos, sin, positions, rotary == "interleaved") if rotary else k_new
+        for b in range(batch):
+            start = int(cache_seqlens[b])
+            k_full[b, start:start + seqlen_new] = k_put[b]
+            v_full[b, start:start + seqlen_new] = v_new[b]
+    if rotary:
+        steps = torch.arange(seqlen_q, device=DEVICE)[None, :] * (1 if causal else 0)
+        q_ref = apply_rotary(q, cos, sin, cache_seqlens[:, None].long() + steps, rotary == "interleaved")
+
+    kwargs = dict(k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens, causal=causal,
+                  rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    if paged:
+        pool_k, table = to_paged(k_cache[rows].contiguous(), page_size)
+        pool_v, _ = to_paged(v_cache[rows].contiguous(), page_size)
+        pool_v[table.long()] = v_cache[rows].view(batch, -1, page_size, NHEADS_K, HEAD_DIM)
+        out, lse = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table, **kwargs)
+        written_k = pool_k[table.long()].view(batch, seqlen_cache, NHEADS_K, HEAD_DIM)
+    else:
+        untouched = k_cache[[1, 3]].clone()
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=batch_idx, **kwargs)
+        written_k = k_cache[rows]
+        assert torch.equal(k_cache[[1, 3]], untouched), "rows no sequence uses were written"
+    assert out.shape == q.shape and lse.shape == (batch, NHEADS, seqlen_q)
+    torch.testing.assert_close(written_k, k_full, rtol=0, atol=0)
+
+    options = dict(causal=causal)
+    ref = reference(q_ref.double(), k_full.double(), v_full.double(), cache_seqlens, seqlen_new, torch.float64,
+                    **options)
+    same = reference(q_ref, k_full, v_full, cache_seqlens, seqlen_new, None, **options)
+    check_errors([("out", rel_error(out, ref), rel_error(same, ref))], dtype)
+
+
+def test_kvcache_bad_input_leaves_the_cache_untouched():
+    q = torch.randn(2, 1, NHEADS, HEAD_DIM, device=DEVICE, dtype=DTYPES[0])
+    k_cache = torch.randn(2, 8, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=DTYPES[0])
+    before = k_cache.clone()
+    k = torch.randn(2, 3, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=DTYPES[0])
+    full = torch.tensor([6, 2], dtype=torch.int32, device=DEVICE)
+    if not ON_GPU:  # contents are checked on CPU, and on CUDA with FLASHTILE_VALIDATE=1
+        with pytest.raises(ValueError, match="cache_seqlens\\[0\\] = 6 plus 3 new tokens does not fit"):
+            flash_attn_with_kvcache(q, k_cache, k_cache, k=k, v=k, cache_seqlens=full)
+        assert torch.equal(k_cache, before)
+    with pytest.raises(ValueError, match="k has shape"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, k=k[:1], v=k[:1], cache_seqlens=0)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, cache_leftpad=full)
+    with pytest.raises(ValueError, match="rotary_dim = 2 \\* rotary_cos.shape\\[1\\]"):
+        cos = torch.ones(16, HEAD_DIM, device=DEVICE)
+        flash_attn_with_kvcache(q, k_cache, k_cache, rotary_cos=cos, rotary_sin=cos)
+    assert torch.equal(k_cache, before)
