@@ -1,5 +1,6 @@
-"""Compile the portable Triton forward for sm90 on any machine (no GPU needed): dense, varlen and
-paged-K/V variants of every tuned head dim, with shared memory, registers and spills.
+"""Compile the portable Triton forward for sm90 on any machine (no GPU needed): dense, varlen,
+paged-K/V and kv-cache (paged with left padding) variants of every tuned head dim, with their
+shared memory and PTX size.
 
     PYTHONPATH=<repo> python bench/portable_compile_check.py [--head-dims 64,128,256]
 
@@ -65,6 +66,8 @@ def main():
                                                         launch.PackedSeqs(cu, cu, 600, 600)),
                 "paged": lambda: launch.launch_forward(qv, pages, pages, outv, lsev, params, cfg,
                                                        launch.PackedSeqs(cu, cu, 600, 600, block_table=table)),
+                "kvcache": lambda: launch.launch_forward(qv, pages, pages, outv, lsev, params, cfg, launch.PackedSeqs(
+                    cu, cu, 600, 600, block_table=table, key_shift=cu[:2].clone())),
             }
             for name, build in builds.items():
                 r = compile_portable_forward(build)

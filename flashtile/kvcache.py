@@ -6,9 +6,9 @@ packed (varlen) forward over a paged cache: a contiguous cache (batch_cache, seq
 a pool of one page per sequence, with ``cache_batch_idx`` as the block table; a paged cache comes
 with its own ``block_table``. No step reads the device from the host.
 
-Not yet here (issue 5): ``cache_leftpad`` (raises), split-KV decoding (``num_splits`` is accepted;
-every split count gives the same numbers, one program per query block is used), and a fused
-append/rotary kernel (steps 1-2 are a few PyTorch ops).
+Not yet here (issue 5): split-KV decoding (``num_splits`` is accepted; every split count gives the
+same numbers, one program per query block is used), and a fused append/rotary kernel (steps 1-2
+are a few PyTorch ops).
 """
 
 from typing import Optional, Tuple
@@ -90,10 +90,16 @@ def _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 
 
 def _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, rows, block_table, num_pages,
-                       rotary_len, rotated_positions_end) -> None:
+                       rotary_len, rotated_positions_end, cache_leftpad) -> None:
     """Checks that need the device's values (CPU tensors, or FLASHTILE_VALIDATE=1): run before the
     cache is written, so a bad call leaves it untouched."""
     lengths = cache_seqlens.cpu().long()
+    if cache_leftpad is not None:
+        pad = cache_leftpad.cpu().long()
+        if ((pad < 0) | (pad > lengths)).any():
+            at = int(((pad < 0) | (pad > lengths)).nonzero()[0])
+            raise ValueError(f"cache_leftpad[{at}] = {pad[at].item()} is outside [0, cache_seqlens[{at}] = "
+                             f"{lengths[at].item()}]")
     if (lengths < 0).any() or (lengths + seqlen_new > capacity).any():
         at = int(((lengths < 0) | (lengths + seqlen_new > capacity)).nonzero()[0])
         raise ValueError(f"cache_seqlens[{at}] = {lengths[at].item()} plus {seqlen_new} new tokens does not fit the "
@@ -136,7 +142,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (True) or halves (False, GPT-NeoX).
         cache_seqlens: int or int32 (batch,): tokens already in each sequence's cache (default 0).
         cache_batch_idx: optional int32 (batch,): the cache row of each sequence (contiguous cache).
-        cache_leftpad: not supported yet (raises).
+        cache_leftpad: optional int32 (batch,), contiguous caches only: sequence b's tokens start at
+            position cache_leftpad[b] of its cache row (cache_seqlens[b] stays the end position).
         block_table: optional int32 (batch, max_blocks): the pages of each sequence (paged cache).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func; causal and the
             window are aligned to each sequence's cache_seqlens + seqlen_new keys.
@@ -153,8 +160,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         checks.check_tensor(q, "q", 4)
     batch, seqlen_q, nheads, head_dim = q.shape
     if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not supported yet: pass caches whose tokens start at "
-                                  "position 0")
+        if block_table is not None:
+            raise ValueError("cache_leftpad applies to contiguous caches; a paged cache's block_table starts "
+                             "each sequence where its tokens start")
+        if (not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32
+                or tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device):
+            raise ValueError(f"cache_leftpad must be an int32 tensor of shape ({batch},) on {q.device}")
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -181,7 +192,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if validate_enabled() or device.type == "cpu":
         _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, k_cache.shape[0],
                            block_table if paged else None, k_cache.shape[0],
-                           None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1))
+                           None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1), cache_leftpad)
 
     with torch.no_grad():
         if rotary_cos is not None:
@@ -197,11 +208,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k_cache[pages, positions % page_size] = k
             v_cache[pages, positions % page_size] = v
 
-        seqlens_k = cache_seqlens + seqlen_new
+        seqlens_k = cache_seqlens + seqlen_new  # keys [cache_leftpad, cache_seqlens + seqlen_new)
+        if cache_leftpad is not None:
+            seqlens_k = seqlens_k - cache_leftpad
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         cu_seqlens_k = torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)])
         cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
-        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqlen_q, capacity, block_table=block_table.to(torch.int32))
+        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqlen_q, capacity, block_table=block_table.to(torch.int32),
+                          key_shift=cache_leftpad)
         packed_q = q.reshape(batch * seqlen_q, nheads, head_dim)
         params = _score_params(q, k_cache, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
         out, lse, _ = _forward(packed_q.unsqueeze(0), k_cache, v_cache, params, False, seqs)

@@ -21,12 +21,14 @@ def rotary_tables(length, rotary_dim):
     return angles.cos(), angles.sin()
 
 
-def reference(q, k_full, v_full, cache_seqlens, seqlen_new, dtype, **options):
-    """Per sequence: attention of q[b] over the first cache_seqlens[b] + seqlen_new keys."""
+def reference(q, k_full, v_full, cache_seqlens, seqlen_new, dtype, leftpad=None, **options):
+    """Per sequence: attention of q[b] over cache positions [leftpad[b], cache_seqlens[b] + seqlen_new)."""
     outs = []
     for b in range(q.shape[0]):
         n = int(cache_seqlens[b]) + seqlen_new
-        out, _ = attention_naive(q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], dtype=dtype, **options)
+        start = 0 if leftpad is None else int(leftpad[b])
+        out, _ = attention_naive(q[b:b + 1], k_full[b:b + 1, start:n], v_full[b:b + 1, start:n], dtype=dtype,
+                                 **options)
         outs.append(out)
     return torch.cat(outs)
 
@@ -48,6 +50,16 @@ def to_paged(cache, page_size):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
 def test_kvcache(dtype, paged, seqlen_q, seqlen_new, causal, rotary):
+    run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_leftpad(dtype, causal):
+    run_kvcache_case(dtype, False, 2, 2, causal, "halves", leftpad=[3, 0, 41])
+
+
+def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad=None):
     batch, seqlen_cache, page_size = 3, 96, 16
     cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
     q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
@@ -78,6 +90,9 @@ def test_kvcache(dtype, paged, seqlen_q, seqlen_new, causal, rotary):
 
     kwargs = dict(k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens, causal=causal,
                   rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    if leftpad is not None:
+        leftpad = torch.tensor(leftpad, dtype=torch.int32, device=DEVICE)
+        kwargs["cache_leftpad"] = leftpad
     if paged:
         pool_k, table = to_paged(k_cache[rows].contiguous(), page_size)
         pool_v, _ = to_paged(v_cache[rows].contiguous(), page_size)
@@ -92,7 +107,7 @@ def test_kvcache(dtype, paged, seqlen_q, seqlen_new, causal, rotary):
     assert out.shape == q.shape and lse.shape == (batch, NHEADS, seqlen_q)
     torch.testing.assert_close(written_k, k_full, rtol=0, atol=0)
 
-    options = dict(causal=causal)
+    options = dict(causal=causal, leftpad=leftpad)
     ref = reference(q_ref.double(), k_full.double(), v_full.double(), cache_seqlens, seqlen_new, torch.float64,
                     **options)
     same = reference(q_ref, k_full, v_full, cache_seqlens, seqlen_new, None, **options)
@@ -111,8 +126,12 @@ def test_kvcache_bad_input_leaves_the_cache_untouched():
         assert torch.equal(k_cache, before)
     with pytest.raises(ValueError, match="k has shape"):
         flash_attn_with_kvcache(q, k_cache, k_cache, k=k[:1], v=k[:1], cache_seqlens=0)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, cache_leftpad=full)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="cache_leftpad\\[0\\] = 6 is outside \\[0, cache_seqlens\\[0\\] = 1\\]"):
+            flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=torch.tensor([1, 2], dtype=torch.int32),
+                                    cache_leftpad=full)
+    with pytest.raises(ValueError, match="cache_leftpad must be an int32 tensor"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, cache_leftpad=full.long())
     with pytest.raises(ValueError, match="rotary_dim = 2 \\* rotary_cos.shape\\[1\\]"):
         cos = torch.ones(16, HEAD_DIM, device=DEVICE)
         flash_attn_with_kvcache(q, k_cache, k_cache, rotary_cos=cos, rotary_sin=cos)

@@ -29,12 +29,13 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_v
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
                     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                    BlockTable, stride_bt, page_stride_k, page_stride_v, num_pages, PAGE_SIZE: tl.constexpr):
+                    BlockTable, stride_bt, page_stride_k, page_stride_v, num_pages, key_shift,
+                    PAGE_SIZE: tl.constexpr):
     """Fold key blocks [col_start, col_end) into the running (acc, m_i, l_i)."""
     for start_n in tl.range(col_start, col_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         k = load_kv_rows(k_src, b, h_kv, start_n, cols, offs_d, stride_ks, seqlen_k, BlockTable, stride_bt,
-                         page_stride_k, num_pages, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
+                         page_stride_k, num_pages, key_shift, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SCALE_IN_EXP2:
             # Plain scaled scores (scale > 0): keep them raw so the scale and the max
@@ -63,7 +64,7 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_v
             keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = load_kv_rows(v_src, b, h_kv, start_n, cols, offs_d, stride_vs, seqlen_k, BlockTable, stride_bt,
-                         page_stride_v, num_pages, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
+                         page_stride_v, num_pages, key_shift, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -78,7 +79,7 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lse_b, stride_lse_h,
     CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
-    BlockTable, stride_bt, seq_pages, num_pages,
+    BlockTable, stride_bt, seq_pages, num_pages, KeyShift,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right, dropout_p,
@@ -91,7 +92,8 @@ def attn_fwd_kernel(
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
     varlen only): K, V are (num_pages, PAGE_SIZE, hk, d) and BlockTable (batch, pages per
-    sequence) int32 maps each sequence's key positions to pages (tile_io.load_kv_rows)."""
+    sequence) int32 maps each sequence's key positions to pages (tile_io.load_kv_rows); KeyShift
+    (batch,) int32 or None: where each sequence's keys start in its pages (left padding)."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -105,8 +107,12 @@ def attn_fwd_kernel(
         # also breaks Triton's warp specialization of the key loop.)
         if start_m >= seqlen_q:
             return
+    key_shift = 0
     if PAGE_SIZE > 0:
-        seqlen_k = tl.minimum(seqlen_k, seq_pages * PAGE_SIZE)  # what the block table can address
+        if KeyShift is not None:  # a kv cache's left padding: its keys start at this position
+            key_shift = tl.maximum(tl.load(KeyShift + b), 0)
+        # What the block table can address.
+        seqlen_k = tl.maximum(tl.minimum(seqlen_k, seq_pages * PAGE_SIZE - key_shift), 0)
     diag = seqlen_k - seqlen_q
 
     if USE_TMA:
@@ -148,21 +154,21 @@ def attn_fwd_kernel(
         dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
-        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, PAGE_SIZE)
+        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE)
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
-        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, PAGE_SIZE)
+        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE)
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
         seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
         dropout_seed, dropout_row, dropout_row_len, dropout_p,
         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
         DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
-        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, PAGE_SIZE)
+        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE)
 
     # A row that saw no key at all (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0

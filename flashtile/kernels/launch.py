@@ -110,6 +110,9 @@ class PackedSeqs:
     seqused_q: Optional[torch.Tensor] = None
     seqused_k: Optional[torch.Tensor] = None
     block_table: Optional[torch.Tensor] = None
+    # With block_table: optional int32 (batch,), the position of each sequence's first key in its
+    # pages (a kv cache's left padding).
+    key_shift: Optional[torch.Tensor] = None
 
     @property
     def batch(self) -> int:
@@ -262,7 +265,7 @@ def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[P
         *tiles, lse,
         *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse),
         **_seq_args(seqs), **_page_args(k, seqs), **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
-        SCALE_IN_EXP2=params.scaled_dot_products,
+        KeyShift=None if seqs is None else seqs.key_shift, SCALE_IN_EXP2=params.scaled_dot_products,
         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
     )

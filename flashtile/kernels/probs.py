@@ -70,7 +70,7 @@ def attn_probs_kernel(
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + offs_n
         k = load_kv_rows(k_base, b, h_kv, start_n, cols, offs_d, stride_ks, seqlen_k, BlockTable, stride_bt,
-                         stride_kb, num_pages, HEAD_DIM, BLOCK_D, True, False, PAGE_SIZE)
+                         stride_kb, num_pages, 0, HEAD_DIM, BLOCK_D, True, False, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
                            HAS_SOFTCAP, HAS_ALIBI)

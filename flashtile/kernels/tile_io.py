@@ -62,19 +62,22 @@ def store_rows(dst, tile, b, h, start, rows, offs_d, stride_row, n_rows,
 
 @triton.jit
 def load_kv_rows(src, b, h, start, rows, offs_d, stride_row, n_rows, BlockTable, stride_bt, page_stride,
-                 num_pages, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                 num_pages, row_shift, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr,
                  USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """:func:`load_rows` for keys and values, which may live in a paged cache.
 
-    PAGE_SIZE > 0: logical row t of sequence b lives in page BlockTable[b, t // PAGE_SIZE], at row
-    t % PAGE_SIZE; ``src`` points at (page 0, row 0) of this head and ``page_stride`` is the
-    distance between pages. Page numbers are clamped into [0, num_pages): a bad block table
-    gives wrong numbers, never an access outside the pool. PAGE_SIZE == 0: load_rows.
+    PAGE_SIZE > 0: logical row t of sequence b is cache position p = t + row_shift (a kv cache's
+    left padding), which lives in page BlockTable[b, p // PAGE_SIZE], at row p % PAGE_SIZE;
+    ``src`` points at (page 0, row 0) of this head and ``page_stride`` is the distance between
+    pages. Page numbers are clamped into [0, num_pages): a bad block table gives wrong numbers,
+    never an access outside the pool. PAGE_SIZE == 0: load_rows.
     """
     if PAGE_SIZE > 0:
-        page = tl.load(BlockTable + b.to(tl.int64) * stride_bt + rows // PAGE_SIZE, mask=rows < n_rows, other=0)
+        positions = rows + row_shift
+        page = tl.load(BlockTable + b.to(tl.int64) * stride_bt + positions // PAGE_SIZE, mask=rows < n_rows,
+                       other=0)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        offsets = page.to(tl.int64) * page_stride + (rows % PAGE_SIZE) * stride_row
+        offsets = page.to(tl.int64) * page_stride + (positions % PAGE_SIZE) * stride_row
         ptrs = src + offsets[:, None] + offs_d[None, :]
         if CHECK_ROWS:
             mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
