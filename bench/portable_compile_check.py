@@ -28,13 +28,20 @@ class _Capture:
         return call
 
 
-def compile_portable_forward(build) -> dict:
-    kernel, cap = launch.attn_fwd_kernel, _Capture()
-    launch.attn_fwd_kernel = cap
+def compile_portable_forward(build, name="attn_fwd_kernel") -> dict:
+    """Compile the kernel launch.<name> as ``build()`` would launch it (CPU tensors, nothing runs;
+    the other kernels build() launches are captured and dropped)."""
+    names = ("attn_fwd_kernel", "attn_combine_kernel")
+    kernels = {n: getattr(launch, n) for n in names}
+    captures = {n: _Capture() for n in names}
+    for n in names:
+        setattr(launch, n, captures[n])
     try:
         build()
     finally:
-        launch.attn_fwd_kernel = kernel
+        for n in names:
+            setattr(launch, n, kernels[n])
+    kernel, cap = kernels[name], captures[name]
     kwargs = dict(cap.kwargs)
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -68,10 +75,18 @@ def main():
                                                        launch.PackedSeqs(cu, cu, 600, 600, block_table=table)),
                 "kvcache": lambda: launch.launch_forward(qv, pages, pages, outv, lsev, params, cfg, launch.PackedSeqs(
                     cu, cu, 600, 600, block_table=table, key_shift=cu[:2].clone())),
+                "split": lambda: launch.launch_forward(
+                    qv, pages, pages, outv.float(), lsev, params, cfg, launch.PackedSeqs(cu, cu, 600, 600, block_table=table),
+                    splits=(3, 256, outv.numel(), lsev.numel())),
             }
             for name, build in builds.items():
                 r = compile_portable_forward(build)
                 print(f"d{d:<4} causal={causal!s:<5} {name:<7} shared {r['shared']:>7}  ptx lines {r['ptx_lines']}")
+            seqs = launch.PackedSeqs(cu, cu, 600, 600, block_table=table)
+            r = compile_portable_forward(
+                lambda: launch.attention_forward_split(qv, pages, pages, outv, lsev, params, seqs, 3),
+                "attn_combine_kernel")
+            print(f"d{d:<4} causal={causal!s:<5} combine shared {r['shared']:>7}  ptx lines {r['ptx_lines']}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ packed (varlen) forward over a paged cache: a contiguous cache (batch_cache, seq
 a pool of one page per sequence, with ``cache_batch_idx`` as the block table; a paged cache comes
 with its own ``block_table``. No step reads the device from the host.
 
-Not yet here (issue 5): split-KV decoding (``num_splits`` is accepted; every split count gives the
-same numbers, one program per query block is used), and a fused append/rotary kernel (steps 1-2
-are a few PyTorch ops).
+Split-KV (flash-decoding): with few query blocks per sequence the keys of each sequence are spread
+over ``num_splits`` programs and merged by their lse (kernels/combine.py); ``num_splits=0`` picks
+the count from the shape and the GPU's multiprocessor count. Not yet here (issue 5): a fused
+append/rotary kernel (steps 1-2 are a few PyTorch ops) and query heads of a GQA group sharing
+one read of K/V.
 """
 
 from typing import Optional, Tuple
@@ -16,9 +18,9 @@ from typing import Optional, Tuple
 import torch
 
 from . import checks
-from .interface import _forward, _score_params
-from .kernels.launch import PackedSeqs
-from .runtime import validate_enabled
+from .interface import _score_params
+from .kernels.launch import PackedSeqs, attention_forward, attention_forward_split
+from .runtime import empty, multiprocessor_count, validate_enabled
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -122,6 +124,18 @@ def _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, row
                          f"{(lengths + rotated_positions_end).max().item() - 1}: the tables are too short")
 
 
+def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Split the keys when the query blocks alone leave most multiprocessors idle (decoding), keeping
+    at least 4 key blocks of 64 per split."""
+    if device.type != "cuda":
+        return 1
+    programs = batch * nheads * -(-seqlen_q // 64)
+    processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= processors:
+        return 1
+    return max(1, min(-(-2 * processors // programs), max_seqlen_k // 256, 64))
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale: Optional[float] = None, causal: bool = False,
@@ -147,8 +161,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         block_table: optional int32 (batch, max_blocks): the pages of each sequence (paged cache).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func; causal and the
             window are aligned to each sequence's cache_seqlens + seqlen_new keys.
-        num_splits: split-KV decoding factor; accepted for compatibility (the result does not
-            depend on it; this version always uses one program per query block).
+        num_splits: programs the keys of each sequence are split across (flash-decoding), merged
+            by their logsumexp; 0 chooses from the shape and the GPU; 1 turns splitting off.
         return_softmax_lse: also return the logsumexp (batch, nheads, seqlen_q).
     The caller's contract (checked on CPU and with FLASHTILE_VALIDATE=1, before anything is
     written): the cache has room for the new tokens, cache_batch_idx and block_table point inside
@@ -218,7 +232,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                           key_shift=cache_leftpad)
         packed_q = q.reshape(batch * seqlen_q, nheads, head_dim)
         params = _score_params(q, k_cache, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
-        out, lse, _ = _forward(packed_q.unsqueeze(0), k_cache, v_cache, params, False, seqs)
+        q4 = packed_q.unsqueeze(0)
+        out = empty(q4.shape, q.dtype, device)
+        lse = empty((1, nheads, batch * seqlen_q), torch.float32, device)
+        splits = num_splits or _auto_splits(batch, nheads, seqlen_q, capacity, device)
+        if splits > 1:
+            attention_forward_split(q4, k_cache, v_cache, out, lse, params, seqs, splits)
+        else:
+            attention_forward(q4, k_cache, v_cache, out, lse, params, seqs)
     out = out[0].view(batch, seqlen_q, nheads, head_dim)
     if return_softmax_lse:
         return out, lse[0].view(nheads, batch, seqlen_q).transpose(0, 1)

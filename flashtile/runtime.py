@@ -67,6 +67,11 @@ def device_capability(device_index: int) -> tuple:
     return torch.cuda.get_device_capability(device_index)
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def arch_of(device: torch.device) -> str:
     """A short name for the kernel-config table: 'sm90', 'sm80', ..., or 'interpreter'."""
     if device.type != "cuda":

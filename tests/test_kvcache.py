@@ -7,7 +7,7 @@ import torch
 from flashtile import flash_attn_with_kvcache
 from flashtile.kvcache import apply_rotary
 from flashtile.reference import attention_naive
-from flashtile.testing import check_errors, rel_error
+from flashtile.testing import check_errors, check_lse, rel_error
 
 from _cases import DEVICE, DTYPES, ON_GPU
 
@@ -23,14 +23,15 @@ def rotary_tables(length, rotary_dim):
 
 def reference(q, k_full, v_full, cache_seqlens, seqlen_new, dtype, leftpad=None, **options):
     """Per sequence: attention of q[b] over cache positions [leftpad[b], cache_seqlens[b] + seqlen_new)."""
-    outs = []
+    outs, lses = [], []
     for b in range(q.shape[0]):
         n = int(cache_seqlens[b]) + seqlen_new
         start = 0 if leftpad is None else int(leftpad[b])
-        out, _ = attention_naive(q[b:b + 1], k_full[b:b + 1, start:n], v_full[b:b + 1, start:n], dtype=dtype,
-                                 **options)
+        out, lse = attention_naive(q[b:b + 1], k_full[b:b + 1, start:n], v_full[b:b + 1, start:n], dtype=dtype,
+                                   **options)
         outs.append(out)
-    return torch.cat(outs)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def to_paged(cache, page_size):
@@ -54,12 +55,21 @@ def test_kvcache(dtype, paged, seqlen_q, seqlen_new, causal, rotary):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 0])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_splits(dtype, num_splits, paged):
+    """Split-KV: every split count (forced, and automatic) gives the same result, rows without keys too."""
+    run_kvcache_case(dtype, paged, 1, 1, True, "interleaved", num_splits=num_splits)
+    run_kvcache_case(dtype, paged, 4, 0, False, None, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_kvcache_leftpad(dtype, causal):
     run_kvcache_case(dtype, False, 2, 2, causal, "halves", leftpad=[3, 0, 41])
 
 
-def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad=None):
+def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1):
     batch, seqlen_cache, page_size = 3, 96, 16
     cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
     q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
@@ -89,7 +99,7 @@ def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad
         q_ref = apply_rotary(q, cos, sin, cache_seqlens[:, None].long() + steps, rotary == "interleaved")
 
     kwargs = dict(k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens, causal=causal,
-                  rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+                  rotary_interleaved=rotary == "interleaved", return_softmax_lse=True, num_splits=num_splits)
     if leftpad is not None:
         leftpad = torch.tensor(leftpad, dtype=torch.int32, device=DEVICE)
         kwargs["cache_leftpad"] = leftpad
@@ -108,10 +118,11 @@ def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad
     torch.testing.assert_close(written_k, k_full, rtol=0, atol=0)
 
     options = dict(causal=causal, leftpad=leftpad)
-    ref = reference(q_ref.double(), k_full.double(), v_full.double(), cache_seqlens, seqlen_new, torch.float64,
-                    **options)
-    same = reference(q_ref, k_full, v_full, cache_seqlens, seqlen_new, None, **options)
+    ref, ref_lse = reference(q_ref.double(), k_full.double(), v_full.double(), cache_seqlens, seqlen_new,
+                             torch.float64, **options)
+    same, _ = reference(q_ref, k_full, v_full, cache_seqlens, seqlen_new, None, **options)
     check_errors([("out", rel_error(out, ref), rel_error(same, ref))], dtype)
+    check_lse(lse, ref_lse)
 
 
 def test_kvcache_bad_input_leaves_the_cache_untouched():

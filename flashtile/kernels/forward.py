@@ -80,21 +80,30 @@ def attn_fwd_kernel(
     stride_lse_b, stride_lse_h,
     CuSeqlensQ, CuSeqlensK, SeqUsedQ, SeqUsedK,
     BlockTable, stride_bt, seq_pages, num_pages, KeyShift,
+    num_splits, keys_per_split, split_stride_o, split_stride_lse,
     AlibiSlopes, DropoutSeed, stride_alibi_b,
     nheads, head_group, seqlen_q, seqlen_k,
     qk_scale, softcap_log2, window_left, window_right, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr, SCALE_IN_EXP2: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
     varlen only): K, V are (num_pages, PAGE_SIZE, hk, d) and BlockTable (batch, pages per
     sequence) int32 maps each sequence's key positions to pages (tile_io.load_kv_rows); KeyShift
-    (batch,) int32 or None: where each sequence's keys start in its pages (left padding)."""
-    start_m = tl.program_id(0) * BLOCK_M
+    (batch,) int32 or None: where each sequence's keys start in its pages (left padding).
+    SPLIT_KV (flash-decoding): program id 0 is query block * num_splits + split; each split folds
+    keys [split * keys_per_split, + keys_per_split) and writes its normalised float32 output and
+    its lse to Out / Lse at split * split_stride_o / _lse, for combine.attn_combine_kernel."""
+    split = 0
+    pid_m = tl.program_id(0)
+    if SPLIT_KV:
+        split = pid_m % num_splits
+        pid_m = pid_m // num_splits
+    start_m = pid_m * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
     h_kv = h // head_group  # GQA: consecutive query heads share a kv head
@@ -129,6 +138,8 @@ def attn_fwd_kernel(
             k_src = K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh
             v_src = V + b.to(tl.int64) * stride_vb + k_start * stride_vs + h_kv.to(tl.int64) * stride_vh
         o_dst = Out + b.to(tl.int64) * stride_ob + q_start * stride_os + h.to(tl.int64) * stride_oh
+        if SPLIT_KV:
+            o_dst += split.to(tl.int64) * split_stride_o
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -147,6 +158,13 @@ def attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = band_block_range(start_m, seqlen_q, seqlen_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if SPLIT_KV:
+        # This split's share of the band; sub-ranges keep their masked / unmasked kinds.
+        first = split * keys_per_split  # a multiple of BLOCK_N
+        lo = tl.maximum(lo, first)
+        hi = tl.maximum(tl.minimum(hi, first + keys_per_split), lo)
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     # Edge blocks on the left of the band, blocks wholly inside it, edge blocks on the right.
     acc, m_i, l_i = _fwd_key_blocks(
         acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
@@ -178,7 +196,13 @@ def attn_fwd_kernel(
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
-    store_rows(o_dst, out.to(q.dtype), b, h, start_m, rows, offs_d, stride_os, seqlen_q,
+    if USE_TMA:
+        out = out.to(q.dtype)
+    else:
+        out = out.to(Out.dtype.element_ty)  # float32 partial results under SPLIT_KV
+    store_rows(o_dst, out, b, h, start_m, rows, offs_d, stride_os, seqlen_q,
                HEAD_DIM, BLOCK_D, USE_TMA)
     lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows
+    if SPLIT_KV:
+        lse_ptrs += split.to(tl.int64) * split_stride_lse
     tl.store(lse_ptrs, lse, mask=rows < seqlen_q)

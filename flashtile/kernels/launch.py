@@ -20,6 +20,7 @@ from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, PORTABLE_CAN
                        overridden, padded_head_dim)
 from ..runtime import arch_of, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from .combine import attn_combine_kernel
 from .forward import attn_fwd_kernel
 from .hopper import tma_aligned
 from .probs import attn_probs_kernel
@@ -247,25 +248,57 @@ def _tuned(kernel: str, q, params: ScoreParams, seqlen_k: int, cfg: Config, cand
     return autotune.choose(key, [cfg, *options], run)
 
 
-def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None) -> None:
-    """The portable forward with an explicit config (the autotuner times several)."""
+def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int) -> None:
+    """:func:`attention_forward` with the keys of each sequence split across ``num_splits`` programs
+    per query block (flash-decoding: a few long sequences with few queries fill the GPU), their
+    partial results merged by the combine kernel. Packed batches, portable kernels."""
+    _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
+    cfg = get_config(FWD, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    keys_per_split = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1)), cfg.block_n) * cfg.block_n
+    num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
+    if num_splits <= 1 or out.numel() == 0:
+        launch_forward(q, k, v, out, lse, params, cfg, seqs)
+        return
+    out_parts = torch.empty((num_splits,) + tuple(out.shape), dtype=torch.float32, device=out.device)
+    lse_parts = torch.empty((num_splits,) + tuple(lse.shape), dtype=torch.float32, device=out.device)
+    launch_forward(q, k, v, out_parts[0], lse_parts[0], params, cfg, seqs,
+                   splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)))
+    rows, nheads, head_dim = out.shape[1], out.shape[2], out.shape[3]
+    block_r = 16
+    attn_combine_kernel[(triton.cdiv(rows, block_r), nheads)](
+        out_parts, lse_parts, out, lse,
+        out_parts.stride(0), out_parts.stride(2), out_parts.stride(3),
+        lse_parts.stride(0), lse_parts.stride(2),
+        out.stride(1), out.stride(2), lse.stride(1),
+        rows, num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_R=block_r,
+    )
+
+
+def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
+                   splits: Optional[tuple] = None) -> None:
+    """The portable forward with an explicit config (the autotuner times several). ``splits``:
+    (num_splits, keys_per_split, split stride of out, of lse) for attention_forward_split."""
     batch, max_seqlen_q, _ = _grid_lengths(q, k, seqs)
     nheads, head_dim = q.shape[2], q.shape[3]
     block_d = padded_head_dim(head_dim)
     # Descriptors address (batch, row) tiles: dense only (a packed sequence's last tile would
     # be stored over the next sequence's rows).
-    use_tma = cfg.use_tma and seqs is None and all(tma_aligned(t) for t in (q, k, v, out))
+    use_tma = cfg.use_tma and seqs is None and splits is None and all(tma_aligned(t) for t in (q, k, v, out))
     if use_tma:
         tiles = (row_descriptor(q, cfg.block_m, block_d), row_descriptor(k, cfg.block_n, block_d),
                  row_descriptor(v, cfg.block_n, block_d), row_descriptor(out, cfg.block_m, block_d))
     else:
         tiles = (q, k, v, out)
-    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)
+    num_splits, keys_per_split, split_stride_o, split_stride_lse = splits or (1, 0, 0, 0)
+    grid = (triton.cdiv(max_seqlen_q, cfg.block_m) * num_splits, nheads, batch)
     attn_fwd_kernel[grid](
         *tiles, lse,
         *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse),
         **_seq_args(seqs), **_page_args(k, seqs), **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
-        KeyShift=None if seqs is None else seqs.key_shift, SCALE_IN_EXP2=params.scaled_dot_products,
+        KeyShift=None if seqs is None else seqs.key_shift, num_splits=num_splits, keys_per_split=keys_per_split,
+        split_stride_o=split_stride_o, split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
+        SCALE_IN_EXP2=params.scaled_dot_products,
         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
     )
