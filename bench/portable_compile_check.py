@@ -76,8 +76,8 @@ def main():
                 "kvcache": lambda: launch.launch_forward(qv, pages, pages, outv, lsev, params, cfg, launch.PackedSeqs(
                     cu, cu, 600, 600, block_table=table, key_shift=cu[:2].clone())),
                 "split": lambda: launch.launch_forward(
-                    qv, pages, pages, outv.float(), lsev, params, cfg, launch.PackedSeqs(cu, cu, 600, 600, block_table=table),
-                    splits=(3, 256, outv.numel(), lsev.numel())),
+                    qv, pages, pages, outv.float(), lsev, params, cfg,
+                    launch.PackedSeqs(cu, cu, 600, 600, block_table=table), splits=(3, 256, outv.numel(), lsev.numel())),
             }
             for name, build in builds.items():
                 r = compile_portable_forward(build)

@@ -188,8 +188,8 @@ def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             lengths = torch.minimum(lengths, seqused_k.cpu().long())
         if lengths.numel() and lengths.max().item() > capacity:
             at = int(lengths.argmax())
-            raise ValueError(f"sequence {at} has {lengths[at].item()} keys but block_table holds {table.shape[1]} pages "
-                             f"of {k.shape[1]} rows ({capacity} keys) per sequence")
+            raise ValueError(f"sequence {at} has {lengths[at].item()} keys but block_table holds "
+                             f"{table.shape[1]} pages of {k.shape[1]} rows ({capacity} keys) per sequence")
         pages_used = (lengths + k.shape[1] - 1) // k.shape[1]
         for b in range(table.shape[0]):
             used = table[b, :pages_used[b]]

@@ -8,9 +8,9 @@ with its own ``block_table``. No step reads the device from the host.
 
 Split-KV (flash-decoding): with few query blocks per sequence the keys of each sequence are spread
 over ``num_splits`` programs and merged by their lse (kernels/combine.py); ``num_splits=0`` picks
-the count from the shape and the GPU's multiprocessor count. Not yet here (issue 5): a fused
-append/rotary kernel (steps 1-2 are a few PyTorch ops) and query heads of a GQA group sharing
-one read of K/V.
+the count from the shape and the GPU's multiprocessor count. With one query per sequence, the
+query heads of a GQA group are processed as rows of their kv head, which is read once for all of
+them. Not yet here (issue 5): a fused append/rotary kernel (steps 1-2 are a few PyTorch ops).
 """
 
 from typing import Optional, Tuple
@@ -227,20 +227,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             seqlens_k = seqlens_k - cache_leftpad
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         cu_seqlens_k = torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)])
-        cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
-        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, seqlen_q, capacity, block_table=block_table.to(torch.int32),
-                          key_shift=cache_leftpad)
-        packed_q = q.reshape(batch * seqlen_q, nheads, head_dim)
         params = _score_params(q, k_cache, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        nheads_k = k_cache.shape[2]
+        group = nheads // nheads_k
+        # One query per sequence and GQA: the group's query heads become the rows of one kv head,
+        # so each program reads that head's keys and values once for all of them. A single query
+        # sees every key whether causal or not, so the rows need no mask between them.
+        heads_as_rows = (seqlen_q == 1 and group > 1 and window_size[0] < 0 and window_size[1] < 0
+                         and alibi_slopes is None)
+        if heads_as_rows:
+            rows, q_heads = group, nheads_k
+            params = _score_params(q, k_cache, 0.0, softmax_scale, False, window_size, softcap, None)
+            packed_q = q.view(batch, nheads_k, group, head_dim).transpose(1, 2).reshape(batch * group, nheads_k,
+                                                                                       head_dim)
+        else:
+            rows, q_heads = seqlen_q, nheads
+            packed_q = q.reshape(batch * seqlen_q, nheads, head_dim)
+        cu_seqlens_q = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=device)
+        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, rows, capacity, block_table=block_table.to(torch.int32),
+                          key_shift=cache_leftpad)
         q4 = packed_q.unsqueeze(0)
         out = empty(q4.shape, q.dtype, device)
-        lse = empty((1, nheads, batch * seqlen_q), torch.float32, device)
-        splits = num_splits or _auto_splits(batch, nheads, seqlen_q, capacity, device)
+        lse = empty((1, q_heads, batch * rows), torch.float32, device)
+        splits = num_splits or _auto_splits(batch, q_heads, rows, capacity, device)
         if splits > 1:
             attention_forward_split(q4, k_cache, v_cache, out, lse, params, seqs, splits)
         else:
             attention_forward(q4, k_cache, v_cache, out, lse, params, seqs)
-    out = out[0].view(batch, seqlen_q, nheads, head_dim)
-    if return_softmax_lse:
-        return out, lse[0].view(nheads, batch, seqlen_q).transpose(0, 1)
-    return out
+    if heads_as_rows:  # rows (b, group) of kv head hk are query heads hk * group + g
+        out = out[0].view(batch, group, nheads_k, head_dim).transpose(1, 2).reshape(batch, 1, nheads, head_dim)
+        lse = lse[0].view(nheads_k, batch, group).permute(1, 0, 2).reshape(batch, nheads, 1)
+    else:
+        out = out[0].view(batch, seqlen_q, nheads, head_dim)
+        lse = lse[0].view(nheads, batch, seqlen_q).transpose(0, 1)
+    return (out, lse) if return_softmax_lse else out

@@ -27,8 +27,11 @@ def reference(q, k_full, v_full, cache_seqlens, seqlen_new, dtype, leftpad=None,
     for b in range(q.shape[0]):
         n = int(cache_seqlens[b]) + seqlen_new
         start = 0 if leftpad is None else int(leftpad[b])
+        per_seq = dict(options)
+        if per_seq.get("alibi_slopes") is not None:
+            per_seq["alibi_slopes"] = per_seq["alibi_slopes"][b:b + 1]
         out, lse = attention_naive(q[b:b + 1], k_full[b:b + 1, start:n], v_full[b:b + 1, start:n], dtype=dtype,
-                                   **options)
+                                   **per_seq)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -64,12 +67,20 @@ def test_kvcache_splits(dtype, num_splits, paged):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("options", [dict(softcap=5.0), dict(window_size=(20, 0)), dict(alibi=True)])
+def test_kvcache_options(dtype, seqlen_q, options):
+    run_kvcache_case(dtype, True, seqlen_q, 1, True, None, num_splits=2, **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_kvcache_leftpad(dtype, causal):
     run_kvcache_case(dtype, False, 2, 2, causal, "halves", leftpad=[3, 0, 41])
 
 
-def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1):
+def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1, alibi=False,
+                     **score_options):
     batch, seqlen_cache, page_size = 3, 96, 16
     cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
     q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
@@ -103,6 +114,9 @@ def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad
     if leftpad is not None:
         leftpad = torch.tensor(leftpad, dtype=torch.int32, device=DEVICE)
         kwargs["cache_leftpad"] = leftpad
+    kwargs.update(score_options)
+    if alibi:
+        score_options["alibi_slopes"] = kwargs["alibi_slopes"] = torch.rand(batch, NHEADS, device=DEVICE) * 0.2
     if paged:
         pool_k, table = to_paged(k_cache[rows].contiguous(), page_size)
         pool_v, _ = to_paged(v_cache[rows].contiguous(), page_size)
@@ -117,7 +131,7 @@ def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad
     assert out.shape == q.shape and lse.shape == (batch, NHEADS, seqlen_q)
     torch.testing.assert_close(written_k, k_full, rtol=0, atol=0)
 
-    options = dict(causal=causal, leftpad=leftpad)
+    options = dict(causal=causal, leftpad=leftpad, **score_options)
     ref, ref_lse = reference(q_ref.double(), k_full.double(), v_full.double(), cache_seqlens, seqlen_new,
                              torch.float64, **options)
     same, _ = reference(q_ref, k_full, v_full, cache_seqlens, seqlen_new, None, **options)
