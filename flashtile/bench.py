@@ -884,6 +884,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--varlen", action="store_true",
         help="instead of the sweep: a packed batch of --tokens tokens (lengths drawn from [64, 4096]) through "
              "flash_attn_varlen_func, against the padded dense path and padded SDPA (flashtile/bench_varlen.py)")
+    add("--decode", action="store_true",
+        help="instead of the sweep: decoding (seqlen_q 1) through flash_attn_with_kvcache, bandwidth against "
+             "the device copy and torch SDPA (flashtile/bench_decode.py)")
     add("--varlen-modes", type=choice_list(("fwd", "fwd_bwd")), default="fwd,fwd_bwd",
         help="modes of the --varlen run (default: %(default)s)")
     add("--warmup-ms", type=float, default=50.0, help="do_bench warmup per measurement (default: %(default)s)")
@@ -978,6 +981,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("flashtile.bench: CUDA is not available (torch "
                          f"{torch.__version__}); the benchmark needs a GPU. "
                          "Use --interpret-smoke for a CPU-only plumbing test.")
+    if args.decode:
+        from flashtile.bench_decode import run
+
+        settings = Settings(dtype="bf16", device="cuda", timing=True, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+        return run(args, command, lambda extra: collect_meta(command, settings, extra))
     if args.varlen:
         from flashtile.bench_varlen import run
 
