@@ -967,10 +967,11 @@ def main(argv: list[str] | None = None) -> int:
     # whatever may be installed elsewhere: run as a script, sys.path[0] is bench/.
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    if args.interpret_smoke:
-        if "triton" in sys.modules:
-            print("WARNING: triton was imported before TRITON_INTERPRET=1 could be set", flush=True)
-        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+    if args.interpret_smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton decides at import time whether kernels run in its interpreter, and importing this
+        # module (python -m flashtile.bench) already imported flashtile and triton: start again
+        # with the variable set.
+        os.execve(sys.executable, list(sys.orig_argv), dict(os.environ, TRITON_INTERPRET="1"))
     try:
         import torch
     except ImportError as exc:
