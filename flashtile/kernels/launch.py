@@ -252,11 +252,14 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     """:func:`attention_forward` with the keys of each sequence split across ``num_splits`` programs
     per query block (flash-decoding: a few long sequences with few queries fill the GPU), their
     partial results merged by the combine kernel. Packed batches, portable kernels."""
+    if out.numel() == 0:
+        return
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
     cfg = get_config(FWD, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
-    keys_per_split = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1)), cfg.block_n) * cfg.block_n
+    split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
+    keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
     num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
-    if num_splits <= 1 or out.numel() == 0:
+    if num_splits <= 1:
         launch_forward(q, k, v, out, lse, params, cfg, seqs)
         return
     out_parts = torch.empty((num_splits,) + tuple(out.shape), dtype=torch.float32, device=out.device)
