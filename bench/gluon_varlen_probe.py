@@ -20,15 +20,13 @@ piece), the whole run stays under 8 minutes:
 Writes $OUT/gluon_varlen_probe.json (and one JSON per piece); prints a short table last.
 """
 
-import argparse
-import json
 import math
-import os
 import random
-import subprocess
-import sys
 import time
+
 import traceback
+
+from probe_pieces import log, main_with_pieces
 
 TOTAL_BUDGET_S = 7 * 60 + 30
 DEVICE = "cuda"
@@ -42,8 +40,6 @@ PIECES = [  # (name, timeout seconds)
 ]
 
 
-def log(*a):
-    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +297,7 @@ def piece_timing():
     return {"ok": all("error" not in r for r in rows), "rows": rows}
 
 
-def run_piece(name):
+def run_piece(name, out_dir):
     import torch
     import triton
 
@@ -337,66 +333,7 @@ def summary_table(report):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--piece", default=None, help="(internal) run one piece in this process")
-    ap.add_argument("--pieces", default=",".join(n for n, _ in PIECES))
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gluon_fwd_probe
-
-    if args.piece:
-        t = time.time()
-        try:
-            res = run_piece(args.piece)
-            res["status"] = "ok" if res.get("ok") else "FAILED"
-        except Exception as e:
-            traceback.print_exc()
-            res = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"[:2000]}
-        res["seconds"] = time.time() - t
-        with open(os.path.join(args.out, f"varlen_probe_{args.piece}.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        return
-
-    t0 = time.time()
-    report = {"pieces": {}}
-    wanted = args.pieces.split(",")
-    for name, timeout in PIECES:
-        if name not in wanted:
-            continue
-        left = TOTAL_BUDGET_S - (time.time() - t0)
-        if left < 20:
-            log(f"== {name}: skipped (time budget)")
-            report["pieces"][name] = {"status": "skipped"}
-            continue
-        limit = min(timeout, left)
-        log(f"== {name} (timeout {limit:.0f}s, {time.time() - t0:.0f}s elapsed)")
-        t = time.time()
-        path = os.path.join(args.out, f"varlen_probe_{name}.json")
-        if os.path.exists(path):
-            os.remove(path)
-        try:
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--piece", name, "--out", args.out],
-                           timeout=limit, check=False)
-            if os.path.exists(path):
-                with open(path) as f:
-                    report["pieces"][name] = json.load(f)
-            else:
-                report["pieces"][name] = {"status": "CRASHED"}
-        except subprocess.TimeoutExpired:
-            log(f"== {name}: TIMEOUT after {limit:.0f}s (deadlock?)")
-            report["pieces"][name] = {"status": "TIMEOUT"}
-        report["pieces"][name]["seconds"] = time.time() - t
-        with open(os.path.join(args.out, "gluon_varlen_probe.json"), "w") as f:
-            json.dump(report, f, indent=1)
-
-    table = summary_table(report)
-    report["summary"] = table
-    report["seconds"] = time.time() - t0
-    with open(os.path.join(args.out, "gluon_varlen_probe.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    log("\n" + table)
-    log(f"done in {time.time() - t0:.0f}s")
+    main_with_pieces(__file__, "varlen_probe", PIECES, TOTAL_BUDGET_S, run_piece, summary_table)
 
 
 if __name__ == "__main__":
