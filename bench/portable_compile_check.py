@@ -1,6 +1,6 @@
 """Compile the portable Triton forward for sm90 on any machine (no GPU needed): dense, varlen,
-paged-K/V and kv-cache (paged with left padding) variants of every tuned head dim, with their
-shared memory and PTX size.
+paged-K/V and kv-cache (paged with left padding) variants of every tuned head dim, the split-KV
+combine and the kv-cache update kernel, with their shared memory and PTX size.
 
     PYTHONPATH=<repo> python bench/portable_compile_check.py [--head-dims 64,128,256]
 
@@ -31,7 +31,7 @@ class _Capture:
 def compile_portable_forward(build, name="attn_fwd_kernel") -> dict:
     """Compile the kernel launch.<name> as ``build()`` would launch it (CPU tensors, nothing runs;
     the other kernels build() launches are captured and dropped)."""
-    names = ("attn_fwd_kernel", "attn_combine_kernel")
+    names = ("attn_fwd_kernel", "attn_combine_kernel", "kvcache_update_kernel")
     kernels = {n: getattr(launch, n) for n in names}
     captures = {n: _Capture() for n in names}
     for n in names:
@@ -87,6 +87,14 @@ def main():
                 lambda: launch.attention_forward_split(qv, pages, pages, outv, lsev, params, seqs, 3),
                 "attn_combine_kernel")
             print(f"d{d:<4} causal={causal!s:<5} combine shared {r['shared']:>7}  ptx lines {r['ptx_lines']}")
+            q1, k1 = torch.empty(2, 1, h, d, dtype=torch.bfloat16), torch.empty(2, 1, max(h // 4, 1), d,
+                                                                                dtype=torch.bfloat16)
+            cache = torch.empty(20, 32, max(h // 4, 1), d, dtype=torch.bfloat16)
+            cos = torch.empty(640, d // 4)
+            for interleaved in (False, True):
+                r = compile_portable_forward(lambda: launch.launch_kvcache_update(
+                    q1, k1, k1, cache, cache, cos, cos, cu[:2], table, interleaved, causal), "kvcache_update_kernel")
+                print(f"d{d:<4} causal={causal!s:<5} kv update (interleaved={interleaved}) ptx lines {r['ptx_lines']}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Split-KV (flash-decoding): with few query blocks per sequence the keys of each s
 over ``num_splits`` programs and merged by their lse (kernels/combine.py); ``num_splits=0`` picks
 the count from the shape and the GPU's multiprocessor count. With one query per sequence, the
 query heads of a GQA group are processed as rows of their kv head, which is read once for all of
-them. Not yet here (issue 5): a fused append/rotary kernel (steps 1-2 are a few PyTorch ops).
+them. Steps 1 and 2 are one launch (kernels/kvcache_update.py).
 """
 
 from typing import Optional, Tuple
@@ -19,28 +19,8 @@ import torch
 
 from . import checks
 from .interface import _score_params
-from .kernels.launch import PackedSeqs, attention_forward, attention_forward_split
+from .kernels.launch import PackedSeqs, attention_forward, attention_forward_split, launch_kvcache_update
 from .runtime import empty, multiprocessor_count, validate_enabled
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 interleaved: bool) -> torch.Tensor:
-    """x (b, s, h, d) rotated at ``positions`` (b, s) by the first 2 * cos.shape[1] channels.
-
-    interleaved: channel pairs (0, 1), (2, 3), ... rotate together (GPT-J); otherwise the two
-    halves of the rotary channels do (GPT-NeoX). Computed in float32, returned in x's dtype.
-    """
-    half = cos.shape[1]
-    cos_p = cos[positions].unsqueeze(2).float()  # (b, s, 1, half)
-    sin_p = sin[positions].unsqueeze(2).float()
-    rot, rest = x[..., :2 * half].float(), x[..., 2 * half:]
-    if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        rotated = torch.stack([x1 * cos_p - x2 * sin_p, x1 * sin_p + x2 * cos_p], dim=-1).flatten(-2)
-    else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-        rotated = torch.cat([x1 * cos_p - x2 * sin_p, x1 * sin_p + x2 * cos_p], dim=-1)
-    return torch.cat([rotated.to(x.dtype), rest], dim=-1)
 
 
 def _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -209,18 +189,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1), cache_leftpad)
 
     with torch.no_grad():
-        if rotary_cos is not None:
-            steps = torch.arange(seqlen_q, device=device)
-            q_positions = (cache_seqlens[:, None] + (steps[None, :] if local else 0 * steps[None, :])).long()
-            q = apply_rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
-        if k is not None:
-            positions = cache_seqlens[:, None].long() + torch.arange(seqlen_new, device=device)[None, :]
-            if rotary_cos is not None:
-                k = apply_rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-            page_size = k_cache.shape[1]
-            pages = block_table.long().gather(1, positions // page_size)
-            k_cache[pages, positions % page_size] = k
-            v_cache[pages, positions % page_size] = v
+        block_table = block_table.to(torch.int32)
+        q = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                                  rotary_interleaved, local)
 
         seqlens_k = cache_seqlens + seqlen_new  # keys [cache_leftpad, cache_seqlens + seqlen_new)
         if cache_leftpad is not None:
@@ -244,7 +215,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rows, q_heads = seqlen_q, nheads
             packed_q = q.reshape(batch * seqlen_q, nheads, head_dim)
         cu_seqlens_q = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=device)
-        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, rows, capacity, block_table=block_table.to(torch.int32),
+        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, rows, capacity, block_table=block_table,
                           key_shift=cache_leftpad)
         q4 = packed_q.unsqueeze(0)
         out = empty(q4.shape, q.dtype, device)

@@ -174,3 +174,24 @@ def attention_varlen_naive(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: to
     if not outs:
         return q.new_zeros(q.shape, dtype=dtype), q.new_zeros((q.shape[1], 0), dtype=torch.float32)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """Rotary embedding by the definition: x (b, s, h, d) rotated at ``positions`` (b, s) by
+    the first 2 * cos.shape[1] channels.
+
+    interleaved: channel pairs (0, 1), (2, 3), ... rotate together (GPT-J); otherwise the two
+    halves of the rotary channels do (GPT-NeoX). Computed in float32, returned in x's dtype.
+    """
+    half = cos.shape[1]
+    cos_p = cos[positions].unsqueeze(2).float()  # (b, s, 1, half)
+    sin_p = sin[positions].unsqueeze(2).float()
+    rot, rest = x[..., :2 * half].float(), x[..., 2 * half:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * cos_p - x2 * sin_p, x1 * sin_p + x2 * cos_p], dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([x1 * cos_p - x2 * sin_p, x1 * sin_p + x2 * cos_p], dim=-1)
+    return torch.cat([rotated.to(x.dtype), rest], dim=-1)

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from flashtile import flash_attn_with_kvcache
-from flashtile.kvcache import apply_rotary
-from flashtile.reference import attention_naive
+from flashtile.reference import apply_rotary, attention_naive
 from flashtile.testing import check_errors, check_lse, rel_error
 
 from _cases import DEVICE, DTYPES, ON_GPU

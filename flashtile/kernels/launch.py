@@ -21,6 +21,7 @@ from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, PORTABLE_CAN
 from ..runtime import arch_of, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .combine import attn_combine_kernel
+from .kvcache_update import kvcache_update_kernel
 from .forward import attn_fwd_kernel
 from .hopper import tma_aligned
 from .probs import attn_probs_kernel
@@ -416,3 +417,34 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return probs
+
+
+def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                          interleaved: bool, query_per_step: bool) -> torch.Tensor:
+    """Rotary on q and the new k, and the new k, v written into the paged cache (k_cache: (pages,
+    page_size, hk, d); a contiguous cache is a pool of one page per sequence) at positions
+    cache_seqlens[b] + t, in one launch. Returns q rotated (a new tensor), or q itself without
+    rotary tables."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_new = 0 if k is None else k.shape[1]
+    rotary_half = 0 if rotary_cos is None else rotary_cos.shape[1]
+    q_out = q if rotary_half == 0 else torch.empty_like(q)
+    if rotary_half:
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    if k is None:  # rotary on the queries alone: the key side of the kernel does nothing
+        k = v = torch.empty((batch, 0, k_cache.shape[2], head_dim), dtype=q.dtype, device=q.device)
+    rows = max(seqlen_new, seqlen_q if rotary_half else 0)
+    if rows == 0 or batch == 0:
+        return q_out
+    kvcache_update_kernel[(rows, max(nheads, k_cache.shape[2]), batch)](
+        q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+        q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), 0 if rotary_cos is None else rotary_cos.stride(0), block_table.stride(0),
+        seqlen_q, seqlen_new, nheads, k_cache.shape[2], k_cache.shape[1], k_cache.shape[0],
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), ROTARY_HALF=rotary_half,
+        BLOCK_HALF=max(triton.next_power_of_2(max(rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
+        QUERY_PER_STEP=bool(query_per_step),
+    )
+    return q_out
