@@ -468,14 +468,12 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
     kv_head = gl.program_id(1)
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
                                                                 seqlen_k, IS_VARLEN)
+    # Varlen: the grid spans the longest sequence; a key block past this one's keys has no work
+    # (the loader skips it on the same test). Dense grids are exact: a static True.
+    has_keys = True
     if IS_VARLEN:
-        if start_n < seqlen_k:  # as the loader
-            _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
-                          q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
-                          tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                          CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
-    else:
+        has_keys = start_n < seqlen_k
+    if has_keys:
         _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                       q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                       tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
@@ -835,14 +833,12 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     kv_head = gl.program_id(1)
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
                                                                 seqlen_k, IS_VARLEN)
+    # Varlen: the grid spans the longest sequence; a key block past this one's keys has no work
+    # (the loader skips it on the same test). Dense grids are exact: a static True.
+    has_keys = True
     if IS_VARLEN:
-        if start_n < seqlen_k:  # as the loader
-            _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
-                               q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
-                               tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                               softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                               CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
-    else:
+        has_keys = start_n < seqlen_k
+    if has_keys:
         _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                            q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                            tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
