@@ -131,13 +131,13 @@ def check_varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if batch > MAX_GRID_DIM:
         raise ValueError(f"cu_seqlens_q describes {batch} sequences; at most {MAX_GRID_DIM} are supported")
     if block_table is not None:
-        _check_block_table(block_table, k, batch, q.device)
+        check_block_table(block_table, k, batch, q.device)
     if validate:
         _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                                   block_table)
 
 
-def _check_block_table(block_table, k, batch: int, device) -> None:
+def check_block_table(block_table, k, batch: int, device) -> None:
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
     if block_table.dtype != torch.int32:
@@ -190,9 +190,15 @@ def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             at = int(lengths.argmax())
             raise ValueError(f"sequence {at} has {lengths[at].item()} keys but block_table holds "
                              f"{table.shape[1]} pages of {k.shape[1]} rows ({capacity} keys) per sequence")
-        pages_used = (lengths + k.shape[1] - 1) // k.shape[1]
-        for b in range(table.shape[0]):
-            used = table[b, :pages_used[b]]
-            if ((used < 0) | (used >= k.shape[0])).any():
-                bad = used[(used < 0) | (used >= k.shape[0])][0].item()
-                raise ValueError(f"block_table[{b}] points at page {bad}, outside the {k.shape[0]} pages of k / v")
+        validate_block_table_pages(table, lengths, k.shape[1], k.shape[0], "k / v")
+
+
+def validate_block_table_pages(table: torch.Tensor, key_counts: torch.Tensor, page_size: int, num_pages: int,
+                               pool: str) -> None:
+    """Every page a sequence's first key_counts[b] keys use lies in the pool (CPU tensors)."""
+    pages_used = (key_counts + page_size - 1) // page_size
+    for b in range(table.shape[0]):
+        used = table[b, :pages_used[b]]
+        if ((used < 0) | (used >= num_pages)).any():
+            bad = used[(used < 0) | (used >= num_pages)][0].item()
+            raise ValueError(f"block_table[{b}] points at page {bad}, outside the {num_pages} pages of {pool}")

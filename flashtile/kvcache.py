@@ -92,13 +92,8 @@ def _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, row
             raise ValueError(f"cache_batch_idx holds {idx[(idx < 0) | (idx >= rows)][0].item()}, outside the "
                              f"{rows} rows of k_cache")
     if block_table is not None:
-        page = capacity // block_table.shape[1]
-        table = block_table.cpu().long()
-        for b in range(table.shape[0]):
-            used = table[b, :(lengths[b].item() + seqlen_new + page - 1) // page]
-            if ((used < 0) | (used >= num_pages)).any():
-                bad = used[(used < 0) | (used >= num_pages)][0].item()
-                raise ValueError(f"block_table[{b}] points at page {bad}, outside the {num_pages} pages of k_cache")
+        checks.validate_block_table_pages(block_table.cpu().long(), lengths + seqlen_new,
+                                          capacity // block_table.shape[1], num_pages, "k_cache")
     if rotary_len is not None and (lengths + rotated_positions_end).max().item() > rotary_len:
         raise ValueError(f"rotary_cos has {rotary_len} positions but the call rotates up to position "
                          f"{(lengths + rotated_positions_end).max().item() - 1}: the tables are too short")
@@ -165,7 +160,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                       block_table, batch)
     if block_table is not None:
-        checks._check_block_table(block_table, k_cache, batch, q.device)
+        checks.check_block_table(block_table, k_cache, batch, q.device)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
         raise ValueError("flash_attn_with_kvcache serves inference: call it under torch.no_grad() or pass "
                          "tensors that do not require grad")

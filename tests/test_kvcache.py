@@ -148,6 +148,10 @@ def test_kvcache_bad_input_leaves_the_cache_untouched():
         with pytest.raises(ValueError, match="cache_seqlens\\[0\\] = 6 plus 3 new tokens does not fit"):
             flash_attn_with_kvcache(q, k_cache, k_cache, k=k, v=k, cache_seqlens=full)
         assert torch.equal(k_cache, before)
+        table = torch.tensor([[0], [5]], dtype=torch.int32)
+        with pytest.raises(ValueError, match="block_table\\[1\\] points at page 5, outside the 2 pages of k_cache"):
+            flash_attn_with_kvcache(q, k_cache, k_cache, k=k, v=k, cache_seqlens=1, block_table=table)
+        assert torch.equal(k_cache, before)
     with pytest.raises(ValueError, match="k has shape"):
         flash_attn_with_kvcache(q, k_cache, k_cache, k=k[:1], v=k[:1], cache_seqlens=0)
     if not ON_GPU:
