@@ -6,7 +6,7 @@ import torch
 
 from flashtile import flash_attn_func
 
-from _cases import BATCH, DTYPES, HEAD_DIMS, MASKS, NHEADS, SEQLENS, check_against_reference, make_qkv
+from _cases import BATCH, DTYPES, HEAD_DIMS, MASKS, NHEADS, ON_GPU, SEQLENS, check_against_reference, make_qkv
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,3 +89,29 @@ def test_window_outside_keys(dtype):
     """sq > sk with window (0, 5): row i sees keys i - 60 .. i - 55, so rows below 55 see none."""
     q, k, v = make_qkv(1, 100, 40, 2, 2, 32, dtype)
     check_against_reference(flash_attn_func, q, k, v, window_size=(0, 5))
+
+
+def test_gluon_head_chunks_cover_whole_kv_groups():
+    from flashtile.kernels.launch import GLUON_DQ_CHUNK_BYTES, gluon_head_chunks
+
+    assert gluon_head_chunks(4, 4096, 16, 16, 128) == [(0, 16, 0, 16)]  # the sweep's shapes: one launch
+    chunks = gluon_head_chunks(1, 131072, 16, 16, 128)  # 1 GiB of float32 dQ without chunks
+    assert [c[:2] for c in chunks] == [(h, h + 2) for h in range(0, 16, 2)]
+    assert all(4 * 131072 * (h1 - h0) * 128 <= GLUON_DQ_CHUNK_BYTES for h0, h1, _, _ in chunks)
+    gqa = gluon_head_chunks(1, 131072, 32, 8, 128)  # groups of 4 query heads: one KV head per chunk
+    assert gqa == [(4 * h, 4 * h + 4, h, h + 1) for h in range(8)]
+    assert gluon_head_chunks(1, 131072, 64, 1, 128) == [(0, 64, 0, 1)]  # MQA cannot be split
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on sm90 only")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nheads,nheads_k", [(6, 6), (6, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_in_head_chunks(monkeypatch, dtype, nheads, nheads_k, causal):
+    """The long-context memory saver (a Gluon backward per group of heads) on small shapes."""
+    from flashtile.kernels import launch
+
+    monkeypatch.setattr(launch, "GLUON_DQ_ACCUMULATOR_LIMIT", 0)
+    monkeypatch.setattr(launch, "GLUON_DQ_CHUNK_BYTES", 1)
+    q, k, v = make_qkv(BATCH, 239, 303, nheads, nheads_k, 128, dtype)
+    check_against_reference(flash_attn_func, q, k, v, causal=causal)

@@ -317,6 +317,25 @@ def row_stats_buffers(lse: torch.Tensor) -> tuple:
     return buf[0, :, :, :seqlen_q], buf[1, :, :, :seqlen_q]
 
 
+# Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,
+# each with an accumulator of at most GLUON_DQ_CHUNK_BYTES (the sweep's shapes stay in one launch).
+GLUON_DQ_ACCUMULATOR_LIMIT = 256 * 2**20
+GLUON_DQ_CHUNK_BYTES = 128 * 2**20
+
+
+def gluon_head_chunks(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int) -> list:
+    """[(h0, h1, hk0, hk1)]: query heads h0:h1 over KV heads hk0:hk1 per Gluon backward launch.
+    Chunks are whole KV-head groups (dK / dV of a KV head are summed over its query heads inside
+    one program), so MQA (one KV head) always runs in one launch."""
+    group = nheads // nheads_k
+    group_bytes = batch * seqlen_q * group * head_dim * 4
+    if group_bytes * nheads_k <= GLUON_DQ_ACCUMULATOR_LIMIT:
+        return [(0, nheads, 0, nheads_k)]
+    kv_per_chunk = max(1, GLUON_DQ_CHUNK_BYTES // max(group_bytes, 1))
+    return [(hk0 * group, min(hk0 + kv_per_chunk, nheads_k) * group, hk0, min(hk0 + kv_per_chunk, nheads_k))
+            for hk0 in range(0, nheads_k, kv_per_chunk)]
+
+
 def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None,
                       block_m: int = 64) -> None:
     """delta <- rowsum(dout * out), lse_log2 <- lse * log2(e) (+inf for rows without keys)."""
@@ -357,21 +376,29 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     score = params.kernel_args(q.dtype)
     seq_args = _seq_args(seqs)
 
-    delta, lse_log2 = row_stats_buffers(lse)
     pre_cfg = get_config(FWD, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
-    launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m)
     gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None:
         from .gluon_backward import CANDIDATES, gluon_attention_backward
 
         varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
                                                seqused_q=seqs.seqused_q, max_seqlen_k=seqs.max_seqlen_k)
+        # The Gluon backward adds dQ up in a float32 (b, sq, h, d) buffer: at long context, run it
+        # a few heads at a time so that buffer stays small next to the inputs and gradients.
+        for h0, h1, hk0, hk1 in gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim):
+            q_c, dout_c, out_c, dq_c = (t[:, :, h0:h1] for t in (q, dout, out, dq))
+            k_c, v_c, dk_c, dv_c = (t[:, :, hk0:hk1] for t in (k, v, dk, dv))
+            lse_c = lse[:, h0:h1]
+            delta, lse_log2 = row_stats_buffers(lse_c)
+            launch_preprocess(out_c, dout_c, lse_c, delta, lse_log2, seqs, pre_cfg.block_m)
 
-        def run_gluon(cfg):
-            gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, params.softmax_scale,
-                                     params.causal, cfg, **varlen)
-        run_gluon(_tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon))
+            def run_gluon(cfg):
+                gluon_attention_backward(q_c, k_c, v_c, dout_c, lse_log2, delta, dq_c, dk_c, dv_c,
+                                         params.softmax_scale, params.causal, cfg, **varlen)
+            run_gluon(_tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon))
         return
+    delta, lse_log2 = row_stats_buffers(lse)
+    launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m)
     common = (*_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(dout))
 
     def run_dkdv(cfg):
