@@ -119,16 +119,23 @@ def padded_head_dim(head_dim: int) -> int:
 
 # Kernel names used in the tables.
 FWD = "fwd"          # forward: one program per (query block, head, batch)
+FWD_DECODE = "fwd_decode"  # the same kernel on few query rows per sequence (decoding): small query tiles
 BWD_DKDV = "bwd_dkdv"  # backward, dK/dV: one program per (key block, kv head, batch)
 BWD_DQ = "bwd_dq"    # backward, dQ: one program per (query block, head, batch)
 FWD_GLUON = "fwd_gluon"  # Hopper forward: warp-specialized Gluon kernel (sm90, fp16/bf16)
 BWD_GLUON = "bwd_gluon"  # Hopper backward: dK/dV and (atomically) dQ in one Gluon kernel
-KERNELS = (FWD, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_GLUON)
+KERNELS = (FWD, FWD_DECODE, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_GLUON)
+
+# A packed forward whose sequences have at most this many query rows (a decoding step: one token,
+# or the query heads of a GQA group as rows) takes the FWD_DECODE config. Its work is streaming K
+# and V: a 16-row query tile (tl.dot's least) keeps the matmuls far below the memory time.
+DECODE_MAX_ROWS = 16
 
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths
 # exercised at the small sequence lengths CPU tests use.
 _INTERPRETER = {
     FWD: KernelConfig(32, 32),
+    FWD_DECODE: KernelConfig(16, 32),
     BWD_DKDV: KernelConfig(32, 32),
     BWD_DQ: KernelConfig(32, 32),
     FWD_GLUON: None,
@@ -142,6 +149,10 @@ _DEFAULT_GPU = {
         Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3)),
         Rule(128, KernelConfig(128, 64, num_warps=8, num_stages=3)),
         Rule(256, KernelConfig(64, 64, num_warps=8, num_stages=2)),
+    ],
+    FWD_DECODE: [
+        Rule(128, KernelConfig(16, 128, num_warps=4, num_stages=3)),
+        Rule(256, KernelConfig(16, 64, num_warps=4, num_stages=3)),
     ],
     BWD_DKDV: [
         Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
@@ -219,6 +230,10 @@ PORTABLE_CANDIDATES = {
         256: [_C(128, 64, 8, 2), _C(128, 64, 8, 2, True), _C(128, 64, 8, 2, True, True),
               _C(128, 128, 8, 2, True, True), _C(64, 128, 4, 2, True, True), _C(128, 32, 8, 3, True, True),
               _C(64, 64, 4, 3, True, True)],
+    },
+    FWD_DECODE: {
+        d: [_C(16, n, w, st) for n in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4) if d * n <= 128 * 128]
+        for d in (16, 32, 64, 128, 256)
     },
     BWD_DKDV: {
         64: [_C(64, 64, 4, 2), _C(32, 128, 4, 3), _C(32, 64, 4, 3), _C(64, 128, 8, 2), _C(32, 128, 8, 3),

@@ -128,7 +128,10 @@ def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad
         written_k = k_cache[rows]
         assert torch.equal(k_cache[[1, 3]], untouched), "rows no sequence uses were written"
     assert out.shape == q.shape and lse.shape == (batch, NHEADS, seqlen_q)
-    torch.testing.assert_close(written_k, k_full, rtol=0, atol=0)
+    # Appended keys are copied exactly; rotated ones may differ from the float32 reference by the
+    # last bit where the GPU fuses x1 * cos - x2 * sin into one FMA.
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(written_k, k_full, rtol=eps if rotary else 0, atol=eps if rotary else 0)
 
     options = dict(causal=causal, leftpad=leftpad, **score_options)
     ref, ref_lse = reference(q_ref.double(), k_full.double(), v_full.double(), cache_seqlens, seqlen_new,

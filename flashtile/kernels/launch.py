@@ -16,8 +16,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import autotune
-from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, PORTABLE_CANDIDATES, Config, get_config,
-                       overridden, padded_head_dim)
+from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_GLUON,
+                       PORTABLE_CANDIDATES, Config, get_config, overridden, padded_head_dim)
 from ..runtime import arch_of, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .combine import attn_combine_kernel
@@ -196,7 +196,7 @@ def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Packe
         # not load them. The forward reads unused query rows harmlessly (their output is selected
         # away), the backward adds them into dK and dV (P^T dO, dS^T Q with a zero P, dS).
         return None
-    portable = (FWD,) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
+    portable = (FWD, FWD_DECODE) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
     if any(overridden(name) for name in portable) and not overridden(kernel):
         return None  # an explicit portable config was asked for
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
@@ -229,10 +229,18 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
             gluon_attention_forward(q, k, v, out, lse_arg, params.softmax_scale, params.causal, cfg, **varlen)
         run(_tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run))
         return
-    cfg = get_config(FWD, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
-    cfg = _tuned(FWD, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[FWD],
+    kernel = forward_kernel(q, k, seqs)
+    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    cfg = _tuned(kernel, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
                  lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
     launch_forward(q, k, v, out, lse, params, cfg, seqs)
+
+
+def forward_kernel(q, k, seqs: Optional[PackedSeqs]) -> str:
+    """Which portable forward config serves the call: FWD_DECODE for packed batches of a few
+    query rows per sequence (kv-cache decoding), FWD otherwise."""
+    _, max_seqlen_q, _ = _grid_lengths(q, k, seqs)
+    return FWD_DECODE if seqs is not None and max_seqlen_q <= DECODE_MAX_ROWS else FWD
 
 
 def _tuned(kernel: str, q, params: ScoreParams, seqlen_k: int, cfg: Config, candidates: dict,
@@ -256,7 +264,8 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     if out.numel() == 0:
         return
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
-    cfg = get_config(FWD, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k,
+                     q.dtype)
     split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
     keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
     num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
