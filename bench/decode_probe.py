@@ -22,31 +22,6 @@ POINTS = ((1, 131072), (8, 32768), (8, 131072), (64, 8192), (128, 8192), (32, 65
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def graph_time_ms(torch, fn, calls: int = 5, replays: int = 10) -> float:
-    """Milliseconds per call of ``fn``, replayed from a CUDA graph of ``calls`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (replays * calls))
-    return sorted(times)[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -59,6 +34,7 @@ def main() -> int:
 
     from flashtile import flash_attn_with_kvcache
     from flashtile.bench import warm_up_gpu
+    from flashtile.bench_decode import graph_time_ms
     from flashtile.configs import FWD_DECODE, PORTABLE_CANDIDATES, override, table_config
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -111,8 +87,8 @@ def main() -> int:
                         rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     records.append(rec)
             if layout == "paged":
-                del kc, vc
-        del q, k_cache, v_cache
+                kc = vc = None
+        q = k_cache = v_cache = None
         torch.cuda.empty_cache()
     (args.out / "decode_probe.json").write_text(json.dumps(records, indent=1) + "\n")
     errors = [r for r in records if "error" in r]

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import checks
+from .configs import DECODE_MAX_ROWS
 from .interface import _score_params
 from .kernels.launch import PackedSeqs, attention_forward, attention_forward_split, launch_kvcache_update
 from .runtime import empty, multiprocessor_count, validate_enabled
@@ -100,11 +101,13 @@ def _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, row
 
 
 def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Split the keys when the query blocks alone leave most multiprocessors idle (decoding), keeping
-    at least 4 key blocks of 64 per split."""
+    """Split the keys when the query blocks alone fill fewer than 2 waves of the multiprocessors
+    (decoding), keeping at least 256 keys per split. Measured on the H200 (bench/decode_probe.py):
+    about 2 programs per multiprocessor reads a long cache fastest."""
     if device.type != "cuda":
         return 1
-    programs = batch * nheads * -(-seqlen_q // 64)
+    rows_per_program = 16 if seqlen_q <= DECODE_MAX_ROWS else 128  # the FWD_DECODE / FWD query tiles
+    programs = batch * nheads * -(-seqlen_q // rows_per_program)
     processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= processors:
         return 1
@@ -170,10 +173,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=device)
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    if block_table is None:
+    # Attention reads a contiguous cache row by row when sequence b is row b from position 0;
+    # otherwise, and for the in-place update, the cache is a pool of one page per sequence.
+    direct = not paged and cache_batch_idx is None and cache_leftpad is None
+    if block_table is None and (not direct or seqlen_new > 0 or rotary_cos is not None):
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32,
                                                                                  device=device)
-        block_table = rows[:, None]  # a contiguous cache is a pool of one page per sequence
+        block_table = rows[:, None]
     local = causal or window_size[0] >= 0 or window_size[1] >= 0
     rotated_end = seqlen_new
     if rotary_cos is not None and local:
@@ -184,46 +190,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1), cache_leftpad)
 
     with torch.no_grad():
-        block_table = block_table.to(torch.int32)
         q = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
                                   rotary_interleaved, local)
 
-        seqlens_k = cache_seqlens + seqlen_new  # keys [cache_leftpad, cache_seqlens + seqlen_new)
+        # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence.
+        seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
-        zero = torch.zeros(1, dtype=torch.int32, device=device)
-        cu_seqlens_k = torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)])
         params = _score_params(q, k_cache, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
         nheads_k = k_cache.shape[2]
         group = nheads // nheads_k
         # One query per sequence and GQA: the group's query heads become the rows of one kv head,
         # so each program reads that head's keys and values once for all of them. A single query
-        # sees every key whether causal or not, so the rows need no mask between them.
+        # sees every key whether causal or not, so the rows need no mask between them. Rows are
+        # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
         heads_as_rows = (seqlen_q == 1 and group > 1 and window_size[0] < 0 and window_size[1] < 0
                          and alibi_slopes is None)
+        out = empty(q.shape, q.dtype, device)
+        lse = empty((batch, nheads, seqlen_q), torch.float32, device)
         if heads_as_rows:
-            rows, q_heads = group, nheads_k
             params = _score_params(q, k_cache, 0.0, softmax_scale, False, window_size, softcap, None)
-            packed_q = q.view(batch, nheads_k, group, head_dim).transpose(1, 2).reshape(batch * group, nheads_k,
-                                                                                       head_dim)
+            q_rows, out_rows = (t[:, 0].unflatten(1, (nheads_k, group)).transpose(1, 2) for t in (q, out))
+            lse_rows = lse[:, :, 0].unflatten(1, (nheads_k, group))
         else:
-            rows, q_heads = seqlen_q, nheads
-            packed_q = q.reshape(batch * seqlen_q, nheads, head_dim)
-        cu_seqlens_q = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=device)
-        seqs = PackedSeqs(cu_seqlens_q, cu_seqlens_k, rows, capacity, block_table=block_table,
-                          key_shift=cache_leftpad)
-        q4 = packed_q.unsqueeze(0)
-        out = empty(q4.shape, q.dtype, device)
-        lse = empty((1, q_heads, batch * rows), torch.float32, device)
-        splits = num_splits or _auto_splits(batch, q_heads, rows, capacity, device)
+            q_rows, out_rows, lse_rows = q, out, lse
+        # The queries keep their (batch, rows) layout; the keys are each sequence's cache row, read
+        # directly, or through the table of pages.
+        seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k,
+                          block_table=None if direct else block_table, key_shift=cache_leftpad)
+        splits = num_splits or _auto_splits(batch, q_rows.shape[2], q_rows.shape[1], capacity, device)
         if splits > 1:
-            attention_forward_split(q4, k_cache, v_cache, out, lse, params, seqs, splits)
+            attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits)
         else:
-            attention_forward(q4, k_cache, v_cache, out, lse, params, seqs)
-    if heads_as_rows:  # rows (b, group) of kv head hk are query heads hk * group + g
-        out = out[0].view(batch, group, nheads_k, head_dim).transpose(1, 2).reshape(batch, 1, nheads, head_dim)
-        lse = lse[0].view(nheads_k, batch, group).permute(1, 0, 2).reshape(batch, nheads, 1)
-    else:
-        out = out[0].view(batch, seqlen_q, nheads, head_dim)
-        lse = lse[0].view(nheads, batch, seqlen_q).transpose(0, 1)
+            attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
     return (out, lse) if return_softmax_lse else out

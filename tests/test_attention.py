@@ -96,9 +96,9 @@ def test_gluon_head_chunks_cover_whole_kv_groups():
 
     assert gluon_head_chunks(4, 4096, 16, 16, 128) == [(0, 16, 0, 16)]  # the sweep's shapes: one launch
     chunks = gluon_head_chunks(1, 131072, 16, 16, 128)  # 1 GiB of float32 dQ without chunks
-    assert [c[:2] for c in chunks] == [(h, h + 2) for h in range(0, 16, 2)]
+    assert [c[:2] for c in chunks] == [(h, h + 1) for h in range(16)]
     assert all(4 * 131072 * (h1 - h0) * 128 <= GLUON_DQ_CHUNK_BYTES for h0, h1, _, _ in chunks)
-    gqa = gluon_head_chunks(1, 131072, 32, 8, 128)  # groups of 4 query heads: one KV head per chunk
+    gqa = gluon_head_chunks(1, 65536, 32, 8, 128)  # groups of 4 query heads: one KV head per chunk
     assert gqa == [(4 * h, 4 * h + 4, h, h + 1) for h in range(8)]
     assert gluon_head_chunks(1, 131072, 64, 1, 128) == [(0, 64, 0, 1)]  # MQA cannot be split
 

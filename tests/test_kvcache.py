@@ -47,38 +47,43 @@ def to_paged(cache, page_size):
     return pool, table
 
 
+# Cache layouts: "rows" picks contiguous cache rows through cache_batch_idx, "direct" is sequence b
+# on cache row b (read without a table), "paged" is a shuffled pool of pages with a block table.
+LAYOUTS = ["rows", "direct", "paged"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (3, 3), (4, 0), (1, 0)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
-def test_kvcache(dtype, paged, seqlen_q, seqlen_new, causal, rotary):
-    run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary)
+def test_kvcache(dtype, layout, seqlen_q, seqlen_new, causal, rotary):
+    run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 0])
-@pytest.mark.parametrize("paged", [False, True])
-def test_kvcache_splits(dtype, num_splits, paged):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kvcache_splits(dtype, num_splits, layout):
     """Split-KV: every split count (forced, and automatic) gives the same result, rows without keys too."""
-    run_kvcache_case(dtype, paged, 1, 1, True, "interleaved", num_splits=num_splits)
-    run_kvcache_case(dtype, paged, 4, 0, False, None, num_splits=num_splits)
+    run_kvcache_case(dtype, layout, 1, 1, True, "interleaved", num_splits=num_splits)
+    run_kvcache_case(dtype, layout, 4, 0, False, None, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seqlen_q", [1, 3])
 @pytest.mark.parametrize("options", [dict(softcap=5.0), dict(window_size=(20, 0)), dict(alibi=True)])
 def test_kvcache_options(dtype, seqlen_q, options):
-    run_kvcache_case(dtype, True, seqlen_q, 1, True, None, num_splits=2, **options)
+    run_kvcache_case(dtype, "paged", seqlen_q, 1, True, None, num_splits=2, **options)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_kvcache_leftpad(dtype, causal):
-    run_kvcache_case(dtype, False, 2, 2, causal, "halves", leftpad=[3, 0, 41])
+    run_kvcache_case(dtype, "rows", 2, 2, causal, "halves", leftpad=[3, 0, 41])
 
 
-def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1, alibi=False,
+def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1, alibi=False,
                      **score_options):
     batch, seqlen_cache, page_size = 3, 96, 16
     cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
@@ -88,7 +93,7 @@ def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad
     k_new = torch.randn(batch, seqlen_new, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=dtype) if seqlen_new else None
     v_new = torch.randn_like(k_new) if seqlen_new else None
     cache_seqlens = torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE)
-    batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    batch_idx = torch.tensor([4, 0, 2] if layout == "rows" else [0, 1, 2], dtype=torch.int32, device=DEVICE)
     cos = sin = None
     if rotary:
         cos, sin = rotary_tables(seqlen_cache, HEAD_DIM // 2)
@@ -116,17 +121,20 @@ def run_kvcache_case(dtype, paged, seqlen_q, seqlen_new, causal, rotary, leftpad
     kwargs.update(score_options)
     if alibi:
         score_options["alibi_slopes"] = kwargs["alibi_slopes"] = torch.rand(batch, NHEADS, device=DEVICE) * 0.2
-    if paged:
+    if layout == "paged":
         pool_k, table = to_paged(k_cache[rows].contiguous(), page_size)
         pool_v, _ = to_paged(v_cache[rows].contiguous(), page_size)
         pool_v[table.long()] = v_cache[rows].view(batch, -1, page_size, NHEADS_K, HEAD_DIM)
         out, lse = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table, **kwargs)
         written_k = pool_k[table.long()].view(batch, seqlen_cache, NHEADS_K, HEAD_DIM)
     else:
-        untouched = k_cache[[1, 3]].clone()
-        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=batch_idx, **kwargs)
+        unused = [1, 3] if layout == "rows" else [3, 4]
+        untouched = k_cache[unused].clone()
+        if layout == "rows":
+            kwargs["cache_batch_idx"] = batch_idx
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
         written_k = k_cache[rows]
-        assert torch.equal(k_cache[[1, 3]], untouched), "rows no sequence uses were written"
+        assert torch.equal(k_cache[unused], untouched), "rows no sequence uses were written"
     assert out.shape == q.shape and lse.shape == (batch, NHEADS, seqlen_q)
     # Appended keys are copied exactly; rotated ones may differ from the float32 reference by the
     # last bit where the GPU fuses x1 * cos - x2 * sin into one FMA.

@@ -16,16 +16,22 @@ from .scores import LN2, LOG2E
 @triton.jit
 def attn_combine_kernel(
     OutPartial, LsePartial, Out, Lse,
-    stride_ps, stride_pr, stride_ph,
-    stride_ls, stride_lh,
-    stride_or, stride_oh, stride_lse_h,
+    stride_ps, stride_pb, stride_pr, stride_ph,
+    stride_ls, stride_lb, stride_lh,
+    stride_ob, stride_or, stride_oh, stride_lse_b, stride_lse_h,
     num_rows, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """OutPartial (split, row, head, d) float32, LsePartial (split, head, row) float32 -> Out (row,
-    head, d), Lse (head, row); rows contiguous in the lse tensors."""
+    """OutPartial (split, batch, row, head, d) float32, LsePartial (split, batch, head, row) float32
+    -> Out (batch, row, head, d), Lse (batch, head, row); rows contiguous in the lse tensors. One
+    program per (row block, head, batch entry)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    OutPartial += b * stride_pb
+    LsePartial += b * stride_lb
+    Out += b * stride_ob
+    Lse += b * stride_lse_b
     offs_d = tl.arange(0, BLOCK_D)
     in_rows = rows < num_rows
     lse_base = LsePartial + h.to(tl.int64) * stride_lh + rows

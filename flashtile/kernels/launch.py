@@ -103,10 +103,13 @@ class PackedSeqs:
     block_table: optional int32 (batch, pages per sequence): K and V are then a paged cache
     (num_pages, page_size, hk, d) and key t of sequence b lives at page block_table[b, t // page_size]
     (forward only); cu_seqlens_k then only gives the key counts.
+    Either cu_seqlens may be None (forward only): that side keeps its dense (b, s, h, d) layout,
+    s rows per sequence of which seqused says how many are in use. A kv cache runs so: its queries
+    are (batch, seqlen_q, ...) and its keys one cache row (or pages) per sequence, seqused_k long.
     """
 
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]
     max_seqlen_q: int
     max_seqlen_k: int
     seqused_q: Optional[torch.Tensor] = None
@@ -118,7 +121,10 @@ class PackedSeqs:
 
     @property
     def batch(self) -> int:
-        return self.cu_seqlens_q.shape[0] - 1
+        for prefix_sums in (self.cu_seqlens_q, self.cu_seqlens_k):
+            if prefix_sums is not None:
+                return prefix_sums.shape[0] - 1
+        return self.seqused_k.shape[0]
 
     @property
     def paged(self) -> bool:
@@ -276,13 +282,13 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     lse_parts = torch.empty((num_splits,) + tuple(lse.shape), dtype=torch.float32, device=out.device)
     launch_forward(q, k, v, out_parts[0], lse_parts[0], params, cfg, seqs,
                    splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)))
-    rows, nheads, head_dim = out.shape[1], out.shape[2], out.shape[3]
+    batch, rows, nheads, head_dim = out.shape
     block_r = 16
-    attn_combine_kernel[(triton.cdiv(rows, block_r), nheads)](
+    attn_combine_kernel[(triton.cdiv(rows, block_r), nheads, batch)](
         out_parts, lse_parts, out, lse,
-        out_parts.stride(0), out_parts.stride(2), out_parts.stride(3),
-        lse_parts.stride(0), lse_parts.stride(2),
-        out.stride(1), out.stride(2), lse.stride(1),
+        out_parts.stride(0), out_parts.stride(1), out_parts.stride(2), out_parts.stride(3),
+        lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         rows, num_splits,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_R=block_r,
     )
@@ -329,7 +335,7 @@ def row_stats_buffers(lse: torch.Tensor) -> tuple:
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,
 # each with an accumulator of at most GLUON_DQ_CHUNK_BYTES (the sweep's shapes stay in one launch).
 GLUON_DQ_ACCUMULATOR_LIMIT = 256 * 2**20
-GLUON_DQ_CHUNK_BYTES = 128 * 2**20
+GLUON_DQ_CHUNK_BYTES = 64 * 2**20
 
 
 def gluon_head_chunks(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int) -> list:
@@ -464,14 +470,14 @@ def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cac
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_new = 0 if k is None else k.shape[1]
     rotary_half = 0 if rotary_cos is None else rotary_cos.shape[1]
+    rows = max(seqlen_new, seqlen_q if rotary_half else 0)
+    if rows == 0 or batch == 0:
+        return q
     q_out = q if rotary_half == 0 else torch.empty_like(q)
     if rotary_half:
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     if k is None:  # rotary on the queries alone: the key side of the kernel does nothing
         k = v = torch.empty((batch, 0, k_cache.shape[2], head_dim), dtype=q.dtype, device=q.device)
-    rows = max(seqlen_new, seqlen_q if rotary_half else 0)
-    if rows == 0 or batch == 0:
-        return q_out
     kvcache_update_kernel[(rows, max(nheads, k_cache.shape[2]), batch)](
         q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
         q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
