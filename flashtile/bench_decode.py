@@ -110,12 +110,15 @@ def run(args, argv, meta_fn) -> int:
                 "sdpa fa2": lambda: sdpa(q, k_cache, v_cache, SDPBackend.FLASH_ATTENTION),
             }
             with torch.no_grad():
-                expected = sdpa(q.float(), k_cache.float(), v_cache.float(), SDPBackend.MATH)
+                # The math backend in float32 on a few sequences (all of them would not fit).
+                checked = min(batch, 4)
+                expected = sdpa(q[:checked].float(), k_cache[:checked].float(), v_cache[:checked].float(),
+                                SDPBackend.MATH)
                 for name in SYSTEMS:
                     fn = systems[name]
                     record = dict(system=name, batch=batch, cache=length, kv_bytes=kv_bytes)
                     try:
-                        got = fn().float()
+                        got = fn()[:checked].float()
                         record["rel_err"] = ((got - expected).norm() / expected.norm()).item()
                         ms = triton.testing.do_bench(fn, warmup=10, rep=50)
                         graph_ms = graph_time_ms(torch, fn)

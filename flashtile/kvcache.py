@@ -100,18 +100,30 @@ def _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, row
                          f"{(lengths + rotated_positions_end).max().item() - 1}: the tables are too short")
 
 
+# Programs of the decode config (FWD_DECODE) that run at once on one multiprocessor (two on sm90:
+# its K/V ring takes under half the shared memory), and of the FWD config (one).
+_DECODE_PROGRAMS_PER_SM, _PREFILL_PROGRAMS_PER_SM = 2, 1
+
+
 def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Split the keys when the query blocks alone fill fewer than 2 waves of the multiprocessors
-    (decoding), keeping at least 256 keys per split. Measured on the H200 (bench/decode_probe.py):
-    about 2 programs per multiprocessor reads a long cache fastest."""
+    """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
+
+    Decoding streams K and V, so what counts is that every multiprocessor stays busy until the
+    end: the grid should fill whole waves of concurrent programs. The fewest splits whose last
+    wave is at least 95% as full as the best split count's, with at least 256 keys per split.
+    (On the H200, 64 programs x 5 splits = 1.2 waves read 20% slower than x 4 = 0.97 wave:
+    bench/decode_probe.py.)"""
     if device.type != "cuda":
         return 1
-    rows_per_program = 16 if seqlen_q <= DECODE_MAX_ROWS else 128  # the FWD_DECODE / FWD query tiles
+    decode = seqlen_q <= DECODE_MAX_ROWS
+    rows_per_program = 16 if decode else 128  # the FWD_DECODE / FWD query tiles
     programs = batch * nheads * -(-seqlen_q // rows_per_program)
-    processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= processors:
-        return 1
-    return max(1, min(-(-2 * processors // programs), max_seqlen_k // 256, 64))
+    slots = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    slots *= _DECODE_PROGRAMS_PER_SM if decode else _PREFILL_PROGRAMS_PER_SM
+    most = max(1, min(64, max_seqlen_k // 256))
+    fill = {s: programs * s / (slots * -(-programs * s // slots)) for s in range(1, most + 1)}
+    best = max(fill.values())
+    return min(s for s, f in fill.items() if f >= 0.95 * best)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -173,10 +185,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=device)
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    # Attention reads a contiguous cache row by row when sequence b is row b from position 0;
-    # otherwise, and for the in-place update, the cache is a pool of one page per sequence.
-    direct = not paged and cache_batch_idx is None and cache_leftpad is None
-    if block_table is None and (not direct or seqlen_new > 0 or rotary_cos is not None):
+    if block_table is None:
+        # A contiguous cache is a pool of one page per sequence. (Reading cache row b as plain rows,
+        # without a table, read 3-12% slower than the paged path at most points on the H200.)
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32,
                                                                                  device=device)
         block_table = rows[:, None]
@@ -214,10 +225,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             lse_rows = lse[:, :, 0].unflatten(1, (nheads_k, group))
         else:
             q_rows, out_rows, lse_rows = q, out, lse
-        # The queries keep their (batch, rows) layout; the keys are each sequence's cache row, read
-        # directly, or through the table of pages.
-        seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k,
-                          block_table=None if direct else block_table, key_shift=cache_leftpad)
+        # The queries keep their (batch, rows) layout; the keys are read through the table of pages.
+        seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k, block_table=block_table,
+                          key_shift=cache_leftpad)
         splits = num_splits or _auto_splits(batch, q_rows.shape[2], q_rows.shape[1], capacity, device)
         if splits > 1:
             attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits)
