@@ -147,7 +147,33 @@ def main():
     with override(fwd_gluon=None):
         rows["portable fwd causal"] = per_call_us(lambda: flash_attn_func(q, k, v, causal=True))
 
+    # Decoding: one token, 32 query heads over 8 KV heads, a 1k cache; with and without appending.
+    from flashtile import flash_attn_with_kvcache
+
+    qd = torch.randn(1, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(1, 1024, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(1, 1, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((1,), 1000, dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        def decode():
+            flash_attn_with_kvcache(qd, k_cache, v_cache, cache_seqlens=lengths)
+        rows["flashtile decode (kv cache 1k)"] = per_call_us(decode)
+        rows["flashtile decode + append"] = per_call_us(
+            lambda: flash_attn_with_kvcache(qd, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths))
+        qdt, kct, vct = qd.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        rows["sdpa decode"] = per_call_us(lambda: F.scaled_dot_product_attention(qdt, kct, vct, enable_gqa=True))
+
     if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        with torch.no_grad():
+            for _ in range(200):
+                decode()
+        prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        print(buf.getvalue())
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):
