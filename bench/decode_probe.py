@@ -28,6 +28,10 @@ def main() -> int:
     parser.add_argument("--configs", default="all", choices=("all", "table"))
     parser.add_argument("--layouts", default="paged,contiguous")
     parser.add_argument("--budget-s", type=float, default=400.0)
+    parser.add_argument("--points", default=",".join(f"{b}x{n}" for b, n in POINTS),
+                        help="batch x cache length pairs, e.g. 1x32768,64x8192")
+    parser.add_argument("--splits", default=",".join(map(str, SPLITS)))
+    parser.add_argument("--block-n", default="", help="only candidates with these block_n (e.g. 64,128)")
     args = parser.parse_args()
     import torch
     import torch.nn.functional as F
@@ -42,10 +46,14 @@ def main() -> int:
     configs = [table_cfg] + [c for c in PORTABLE_CANDIDATES[FWD_DECODE][HEAD_DIM] if c != table_cfg]
     if args.configs == "table":
         configs = configs[:1]
+    if args.block_n:
+        configs = [c for c in configs if c.block_n in {int(n) for n in args.block_n.split(",")}]
+    points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+    split_counts = [int(x) for x in args.splits.split(",")]
     started = time.time()
     warm_up_gpu(2.0)
     records = []
-    for batch, length in POINTS:
+    for batch, length in points:
         kv_bytes = 2 * batch * length * NHEADS_K * HEAD_DIM * 2
         q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k_cache = torch.randn(batch, length, NHEADS_K, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -66,9 +74,9 @@ def main() -> int:
             else:
                 kc, vc, extra = k_cache, v_cache, {}
             for cfg in configs if layout == "paged" else configs[:1]:
-                for splits in SPLITS:
+                for splits in split_counts:
                     programs = batch * NHEADS_K * splits
-                    if splits > 1 and (programs > 16 * 132 or length // splits < 256):
+                    if splits > 1 and (programs > 64 * 132 or length // splits < 256):
                         continue
                     if time.time() - started > args.budget_s:
                         break
@@ -95,7 +103,7 @@ def main() -> int:
     print(f"{len(records)} settings, {len(errors)} errors, {sum(1 for r in records if r.get('ok') is False)} wrong")
     for r in errors[:5]:
         print("  error:", r)
-    for batch, length in POINTS:
+    for batch, length in points:
         for layout in args.layouts.split(","):
             rows = sorted((r for r in records if (r["batch"], r["cache"], r["layout"]) == (batch, length, layout)
                            and r.get("ok")), key=lambda r: -r["gbps"])
