@@ -11,6 +11,7 @@ measurement to DIR/decode_probe.json.
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,8 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--configs", default="all", choices=("all", "table"))
+    parser.add_argument("--configs", default="all",
+                        help="all (the candidates), table, or a list like 16x128w4s3,16x64w4s2")
     parser.add_argument("--layouts", default="paged,contiguous")
     parser.add_argument("--budget-s", type=float, default=400.0)
     parser.add_argument("--points", default=",".join(f"{b}x{n}" for b, n in POINTS),
@@ -46,6 +48,11 @@ def main() -> int:
     configs = [table_cfg] + [c for c in PORTABLE_CANDIDATES[FWD_DECODE][HEAD_DIM] if c != table_cfg]
     if args.configs == "table":
         configs = configs[:1]
+    elif args.configs != "all":
+        from flashtile.configs import KernelConfig
+
+        configs = [KernelConfig(*map(int, re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", c).groups()))
+                   for c in args.configs.split(",")]
     if args.block_n:
         configs = [c for c in configs if c.block_n in {int(n) for n in args.block_n.split(",")}]
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
