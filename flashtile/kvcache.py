@@ -100,28 +100,36 @@ def _validate_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, row
                          f"{(lengths + rotated_positions_end).max().item() - 1}: the tables are too short")
 
 
-# Programs of the decode config (FWD_DECODE) that run at once on one multiprocessor (two on sm90:
-# its K/V ring takes under half the shared memory), and of the FWD config (one).
-_DECODE_PROGRAMS_PER_SM, _PREFILL_PROGRAMS_PER_SM = 2, 1
+# Programs per multiprocessor, on sm90: resident at once (the FWD_DECODE config takes 74 KB of
+# shared memory, so 3 fit; the FWD config 1) and enough to saturate memory bandwidth (2 decode
+# programs already read as fast as 3). Measured with bench/decode_probe.py on the H200.
+_RESIDENT_PER_SM = {True: 3, False: 1}
+_SATURATING_PER_SM = {True: 2, False: 1}
 
 
 def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, device: torch.device) -> int:
     """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
 
-    Decoding streams K and V, so what counts is that every multiprocessor stays busy until the
-    end: the grid should fill whole waves of concurrent programs. The fewest splits whose last
-    wave is at least 95% as full as the best split count's, with at least 256 keys per split.
-    (On the H200, 64 programs x 5 splits = 1.2 waves read 20% slower than x 4 = 0.97 wave:
-    bench/decode_probe.py.)"""
+    Decoding streams K and V: what counts is that every multiprocessor keeps reading until the end.
+    A grid that fits at once reads at full speed once it has enough programs to saturate memory; a
+    larger one runs in waves of resident programs, and a thin last wave idles most of the GPU (on
+    the H200, 512 decode programs read 15% slower than 256 or 1024). Takes the fewest splits within
+    5% of the best modelled efficiency, with at least 512 keys per split (fewer cost more than
+    they gain: bench/decode_probe.py)."""
     if device.type != "cuda":
         return 1
     decode = seqlen_q <= DECODE_MAX_ROWS
     rows_per_program = 16 if decode else 128  # the FWD_DECODE / FWD query tiles
     programs = batch * nheads * -(-seqlen_q // rows_per_program)
-    slots = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    slots *= _DECODE_PROGRAMS_PER_SM if decode else _PREFILL_PROGRAMS_PER_SM
-    most = max(1, min(64, max_seqlen_k // 256))
-    fill = {s: programs * s / (slots * -(-programs * s // slots)) for s in range(1, most + 1)}
+    processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    resident, saturating = processors * _RESIDENT_PER_SM[decode], processors * _SATURATING_PER_SM[decode]
+
+    def efficiency(grid: int) -> float:
+        if grid <= resident:
+            return min(1.0, grid / saturating)
+        return grid / (resident * -(-grid // resident))
+    most = max(1, min(64, max_seqlen_k // 512))
+    fill = {s: efficiency(programs * s) for s in range(1, most + 1)}
     best = max(fill.values())
     return min(s for s, f in fill.items() if f >= 0.95 * best)
 
