@@ -62,6 +62,34 @@ def copy_bandwidth(torch, triton) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+def plot(records: list, copy_gbps: float, path: Path, title: str) -> None:
+    """GB/s (CUDA-graph timing) against cache length, one panel per batch, one line per system,
+    the copy bandwidth dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in records})
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 3.4), sharey=True, squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for name in SYSTEMS:
+            points = sorted((r["cache"], r["graph_gbps"]) for r in records
+                            if r["batch"] == batch and r["system"] == name and "graph_gbps" in r)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.axhline(copy_gbps, color="gray", linestyle="--", linewidth=1, label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("cache length")
+    axes[0][0].set_ylabel("GB/s of K and V read")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(args, argv, meta_fn) -> int:
     import torch
     import torch.nn.functional as F
@@ -154,5 +182,10 @@ def run(args, argv, meta_fn) -> int:
               f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (bytes read + written per second)",
               "- cells: GB/s of K and V read, from CUDA-graph replay (% of copy bandwidth) / eager calls", ""]
     (out_dir / "decode.md").write_text("\n".join(header + lines) + "\n")
+    try:
+        plot(records, copy_bw / 1e9, out_dir / "decode.png",
+             f"decode, {NHEADS}/{NHEADS_K} heads, d{HEAD_DIM}, bf16, {meta['gpu']} (CUDA-graph timing)")
+    except Exception as exc:  # e.g. matplotlib not installed: the numbers matter more than the plot
+        print(f"no plot: {exc}")
     print("\n" + "\n".join(lines), flush=True)
     return 0 if ok else 1
