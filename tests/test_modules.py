@@ -160,9 +160,11 @@ def test_mha_varlen(dtype):
     # And the packed call equals the key_padding_mask call, weights' gradients included.
     out_mask = mha(padded, key_padding_mask=mask)
     grads_mask = torch.autograd.grad(out_mask[mask], mha.parameters(), dout)
-    torch.testing.assert_close(out_mask[mask], out)
+    # (The same kernels on the same packed tokens; on the GPU an atomic dQ order may move last bits.)
+    eps = torch.finfo(dtype).eps
+    assert rel_error(out_mask[mask], out) <= eps
     for g, gm in zip(grads, grads_mask):
-        torch.testing.assert_close(g, gm)
+        assert rel_error(g, gm) <= eps
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -240,9 +242,10 @@ def test_rotary_embedding(interleaved):
         torch.testing.assert_close(out[:, :, i], apply_rotary(qkv[:, :, i], cos, sin, positions, interleaved))
     assert torch.equal(out[:, :, 2], qkv[:, :, 2]) and torch.equal(out[..., rotary_dim:], qkv[..., rotary_dim:])
     q, kv = rotary(qkv[:, :, 0], qkv[:, :, 1:], seqlen_offset=7)
-    torch.testing.assert_close(q, apply_rotary(qkv[:, :, 0], cos, sin, torch.arange(7, 12).expand(2, 5), interleaved))
-    torch.testing.assert_close(kv[:, :, 0], apply_rotary(qkv[:, :, 1], cos, sin, torch.arange(7, 12).expand(2, 5),
-                                                         interleaved))
+    positions = torch.arange(7, 12, device=DEVICE).expand(2, 5)
+    torch.testing.assert_close(q, apply_rotary(qkv[:, :, 0], cos, sin, positions, interleaved))
+    torch.testing.assert_close(kv[:, :, 0], apply_rotary(qkv[:, :, 1], cos, sin, positions, interleaved))
+    assert torch.equal(kv[:, :, 1], qkv[:, :, 2])
     cu_seqlens = torch.tensor([0, 3, 3, 10], dtype=torch.int32, device=DEVICE)
     assert rotary_positions(cu_seqlens, 10).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 6]
     # Tables follow the need and stay float32 when the module is cast.
