@@ -181,7 +181,8 @@ def test_inner_attention_modules(dtype, varlen):
     if varlen:
         cu_q = torch.arange(BATCH + 1, dtype=torch.int32, device=DEVICE) * SEQLEN
         cu_k = torch.arange(BATCH + 1, dtype=torch.int32, device=DEVICE) * sk
-        out_self = self_attn(qkv.flatten(0, 1), causal=True, cu_seqlens=cu_q, max_seqlen=SEQLEN).unflatten(0, (BATCH, -1))
+        out_self = self_attn(qkv.flatten(0, 1), causal=True, cu_seqlens=cu_q, max_seqlen=SEQLEN)
+        out_self = out_self.unflatten(0, (BATCH, -1))
         out_cross = cross_attn(q.flatten(0, 1), kv.flatten(0, 1), cu_seqlens=cu_q, max_seqlen=SEQLEN, cu_seqlens_k=cu_k,
                                max_seqlen_k=sk).unflatten(0, (BATCH, -1))
     else:
@@ -278,10 +279,10 @@ def run_layers(layers, x, **kwargs):
 @pytest.mark.parametrize("config", list(DECODE_CONFIGS))
 @torch.no_grad()
 def test_incremental_decoding(dtype, config):
-    """Two stacked layers: a prefill of the prompt and single-token (then a 2-token) steps through
+    """Two stacked layers: a prefill of the prompt and two single-token steps and a 2-token step through
     the kv cache give the full-sequence forward's outputs."""
     layers = two_layer(dtype, **DECODE_CONFIGS[config]).eval()
-    prompt, steps = SEQLEN // 2, [1, 1, 1, 2]
+    prompt, steps = SEQLEN // 2, [1, 1, 2]
     total = prompt + sum(steps)
     x = randn(BATCH, total, EMBED, dtype=dtype)
     params = InferenceParams(max_seqlen=total + 3, max_batch_size=BATCH + 1)
@@ -306,7 +307,7 @@ def test_decoding_padded_prompts(dtype):
     """Prompts of different lengths (left- and right-padded, one batch): a prefill with
     key_padding_mask, then steps with lengths_per_sample, equal each sequence's own forward."""
     layers = two_layer(dtype, num_heads_kv=2, causal=True, rotary_emb_dim=HEAD_DIM).eval()
-    lengths, steps = [9, 4, 6], 3
+    lengths, steps = [9, 4, 6], 2
     width = max(lengths)
     prompts = [randn(1, n + steps, EMBED, dtype=dtype) for n in lengths]  # prompt, then the decoded tokens
     x = torch.zeros(len(lengths), width, EMBED, device=DEVICE, dtype=dtype)

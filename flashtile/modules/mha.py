@@ -216,7 +216,7 @@ class MHA(nn.Module):
         # Both hold the same options; the self-attention one takes one packed qkv (no split) when
         # every head has its own keys, the cross one takes q and kv apart (GQA, cross attention).
         self.inner_attn = FlashSelfAttention(**options)
-        self.inner_cross_attn = FlashCrossAttention(**{**options, "alibi_slopes": alibi})
+        self.inner_cross_attn = FlashCrossAttention(**options)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory)
 
     # ----------------------------------------------------------------------------------------- cache
