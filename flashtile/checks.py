@@ -133,7 +133,7 @@ def check_varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if block_table is not None:
         check_block_table(block_table, k, batch, q.device)
     if validate:
-        _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+        validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                                   block_table)
 
 
@@ -153,7 +153,7 @@ def check_block_table(block_table, k, batch: int, device) -> None:
                          f"with at least one page of at least one row, got {tuple(k.shape)}")
 
 
-def _validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+def validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                               block_table=None):
     # A paged cache bounds each sequence's keys by its pages, not by a packed total.
     k_total = None if block_table is not None else k.shape[0]

@@ -11,16 +11,20 @@ over ``num_splits`` programs and merged by their lse (kernels/combine.py); ``num
 the count from the shape and the GPU's multiprocessor count. With one query per sequence, the
 query heads of a GQA group are processed as rows of their kv head, which is read once for all of
 them. Steps 1 and 2 are one launch (kernels/kvcache_update.py).
+
+The public function checks its arguments and calls the ``flashtile::kvcache_fwd`` custom op
+(flashtile/ops.py), which declares that it writes k_cache and v_cache; the op's body is
+:func:`kvcache_attention` below, so ``torch.compile`` traces the call without graph breaks.
 """
 
 from typing import Optional, Tuple
 
 import torch
 
-from . import checks
+from . import checks, ops
 from .configs import DECODE_MAX_ROWS
-from .interface import _score_params
-from .kernels.launch import PackedSeqs, attention_forward, attention_forward_split, launch_kvcache_update
+from .interface import _score_options
+from .kernels.launch import PackedSeqs, ScoreParams, attention_forward, attention_forward_split, launch_kvcache_update
 from .runtime import empty, multiprocessor_count, validate_enabled
 
 
@@ -187,10 +191,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
         raise ValueError("flash_attn_with_kvcache serves inference: call it under torch.no_grad() or pass "
                          "tensors that do not require grad")
+    alibi_slopes, _, (softmax_scale, softcap, _), _, _ = _score_options(q, 0.0, softmax_scale, causal, window_size,
+                                                                         softcap, alibi_slopes)
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=q.device)
+    ints = [int(bool(causal)), int(window_size[0]), int(window_size[1]), int(bool(rotary_interleaved)), num_splits]
+    extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes]
+    out, lse = ops.kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, extras, [softmax_scale, softcap], ints)
+    return (out, lse) if return_softmax_lse else out
+
+
+def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                      cache_leftpad, block_table, alibi_slopes, softmax_scale: float, softcap: float, causal: int,
+                      window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
+    """The body of the ``flashtile::kvcache_fwd`` op (arguments checked, options resolved, cache_seqlens
+    a tensor): check the contents (CPU, FLASHTILE_VALIDATE=1), write the cache, attend. (out, lse)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=device)
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if block_table is None:
@@ -199,7 +217,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32,
                                                                                  device=device)
         block_table = rows[:, None]
-    local = causal or window_size[0] >= 0 or window_size[1] >= 0
+    local = causal or window_left >= 0 or window_right >= 0
     rotated_end = seqlen_new
     if rotary_cos is not None and local:
         rotated_end = max(seqlen_new, seqlen_q)
@@ -208,37 +226,39 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            block_table if paged else None, k_cache.shape[0],
                            None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1), cache_leftpad)
 
-    with torch.no_grad():
-        q = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
-                                  rotary_interleaved, local)
+    q = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                              bool(rotary_interleaved), bool(local))
 
-        # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence.
-        seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
-        if cache_leftpad is not None:
-            seqlens_k = seqlens_k - cache_leftpad
-        params = _score_params(q, k_cache, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
-        nheads_k = k_cache.shape[2]
-        group = nheads // nheads_k
-        # One query per sequence and GQA: the group's query heads become the rows of one kv head,
-        # so each program reads that head's keys and values once for all of them. A single query
-        # sees every key whether causal or not, so the rows need no mask between them. Rows are
-        # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
-        heads_as_rows = (seqlen_q == 1 and group > 1 and window_size[0] < 0 and window_size[1] < 0
-                         and alibi_slopes is None)
-        out = empty(q.shape, q.dtype, device)
-        lse = empty((batch, nheads, seqlen_q), torch.float32, device)
-        if heads_as_rows:
-            params = _score_params(q, k_cache, 0.0, softmax_scale, False, window_size, softcap, None)
-            q_rows, out_rows = (t[:, 0].unflatten(1, (nheads_k, group)).transpose(1, 2) for t in (q, out))
-            lse_rows = lse[:, :, 0].unflatten(1, (nheads_k, group))
-        else:
-            q_rows, out_rows, lse_rows = q, out, lse
-        # The queries keep their (batch, rows) layout; the keys are read through the table of pages.
-        seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k, block_table=block_table,
-                          key_shift=cache_leftpad)
-        splits = num_splits or _auto_splits(batch, q_rows.shape[2], q_rows.shape[1], capacity, device)
-        if splits > 1:
-            attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits)
-        else:
-            attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
-    return (out, lse) if return_softmax_lse else out
+    # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence.
+    seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    if cache_leftpad is not None:
+        seqlens_k = seqlens_k - cache_leftpad
+    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+        alibi_slopes = alibi_slopes.contiguous()
+    params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
+                         window_right=0 if causal else window_right, alibi_slopes=alibi_slopes)
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    # One query per sequence and GQA: the group's query heads become the rows of one kv head,
+    # so each program reads that head's keys and values once for all of them. A single query
+    # sees every key whether causal or not, so the rows need no mask between them. Rows are
+    # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
+    heads_as_rows = (seqlen_q == 1 and group > 1 and window_left < 0 and window_right < 0
+                     and alibi_slopes is None)
+    out = empty(q.shape, q.dtype, device)
+    lse = empty((batch, nheads, seqlen_q), torch.float32, device)
+    if heads_as_rows:
+        params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
+        q_rows, out_rows = (t[:, 0].unflatten(1, (nheads_k, group)).transpose(1, 2) for t in (q, out))
+        lse_rows = lse[:, :, 0].unflatten(1, (nheads_k, group))
+    else:
+        q_rows, out_rows, lse_rows = q, out, lse
+    # The queries keep their (batch, rows) layout; the keys are read through the table of pages.
+    seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k, block_table=block_table,
+                      key_shift=cache_leftpad)
+    splits = num_splits or _auto_splits(batch, q_rows.shape[2], q_rows.shape[1], capacity, device)
+    if splits > 1:
+        attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits)
+    else:
+        attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
+    return out, lse

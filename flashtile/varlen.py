@@ -9,100 +9,32 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import checks
-from .interface import _forward, _outputs, _save, _saved, _score_params, _unit_last_stride
-from .kernels.launch import PackedSeqs, attention_backward
-from .runtime import empty_like, validate_enabled
+from . import checks, ops
+from .interface import _probs, _score_options
 
 
-def _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                 block_table=None) -> PackedSeqs:
-    """Check the sequence layout (contents too under FLASHTILE_VALIDATE=1, or on CPU) and pack it."""
+def _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                  block_table=None) -> None:
+    """Check the sequence layout's dtypes, shapes and devices. Its contents need the device's values:
+    the op checks them (on CPU tensors, or with FLASHTILE_VALIDATE=1), so tracing never reads them."""
     checks.check_varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              validate=validate_enabled() or q.device.type == "cpu", block_table=block_table)
-    return PackedSeqs(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q), int(max_seqlen_k),
-                      None if seqused_q is None else seqused_q.contiguous(),
-                      None if seqused_k is None else seqused_k.contiguous(), block_table)
+                              validate=False, block_table=block_table)
 
 
-def _paged_forward(q, k_cache, v_cache, seqs: PackedSeqs, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, return_attn_probs):
-    """The forward over a paged K/V cache (no autograd: the cache is not differentiated through)."""
-    params = _score_params(q.unsqueeze(0), k_cache, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, batch=seqs.batch)
-    out, lse, probs = _forward(q.unsqueeze(0), k_cache, v_cache, params, return_attn_probs, seqs)
-    return (out[0], lse[0], probs) if return_attn_probs else out[0]
-
-
-def _grad_buffer(t: torch.Tensor, seqused: Optional[torch.Tensor]) -> torch.Tensor:
-    """Tokens past seqused are never visited by the kernels; their gradient is 0."""
-    return empty_like(t) if seqused is None else torch.zeros_like(t)
-
-
-def _varlen_forward(ctx, q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                    deterministic, return_attn_probs, saved):
-    """The forward all three varlen Functions share; ``saved`` are the tensors to keep for backward."""
-    params = _score_params(q.unsqueeze(0), k.unsqueeze(0), dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, batch=seqs.batch)
-    out, lse, probs = _forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), params, return_attn_probs, seqs)
-    out, lse = out[0], lse[0]  # (total_q, h, d), (h, total_q)
-    _save(ctx, *saved, out, lse, params, deterministic, seqs)
-    return _outputs(ctx, out, lse, probs, return_attn_probs)
-
-
-def _varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, params, seqs, deterministic):
-    attention_backward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
-                       _unit_last_stride(dout).unsqueeze(0), lse.unsqueeze(0),
-                       dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), params, deterministic, seqs)
-
-
-class FlashAttnVarlenFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs):
-        return _varlen_forward(ctx, q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
-                               alibi_slopes, deterministic, return_attn_probs, (q, k, v))
-
-    @staticmethod
-    def backward(ctx, dout, *_):
-        q, k, v, out, lse, params, seqs = _saved(ctx)
-        dq = _grad_buffer(q, seqs.seqused_q)
-        dk, dv = _grad_buffer(k, seqs.seqused_k), _grad_buffer(v, seqs.seqused_k)
-        _varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, params, seqs, ctx.deterministic)
-        return (dq, dk, dv) + (None,) * 9
-
-
-class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qkv, seqs, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs):
-        q, k, v = qkv.unbind(dim=1)
-        return _varlen_forward(ctx, q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
-                               alibi_slopes, deterministic, return_attn_probs, (qkv, None, None))
-
-    @staticmethod
-    def backward(ctx, dout, *_):
-        qkv, _, _, out, lse, params, seqs = _saved(ctx)
-        dqkv = _grad_buffer(qkv, seqs.seqused_q)
-        _varlen_backward(*qkv.unbind(dim=1), out, dout, lse, *dqkv.unbind(dim=1), params, seqs, ctx.deterministic)
-        return (dqkv,) + (None,) * 9
-
-
-class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kv, seqs, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs):
-        k, v = kv.unbind(dim=1)
-        return _varlen_forward(ctx, q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
-                               alibi_slopes, deterministic, return_attn_probs, (q, kv, None))
-
-    @staticmethod
-    def backward(ctx, dout, *_):
-        q, kv, _, out, lse, params, seqs = _saved(ctx)
-        dq, dkv = _grad_buffer(q, seqs.seqused_q), _grad_buffer(kv, seqs.seqused_k)
-        _varlen_backward(q, *kv.unbind(dim=1), out, dout, lse, dq, *dkv.unbind(dim=1), params, seqs,
-                         ctx.deterministic)
-        return (dq, dkv) + (None,) * 10
+def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+            block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs):
+    """The varlen entry points after their checks; k / v None mark packed layouts (ops.py)."""
+    alibi_slopes, dropout_seed, floats, window_left, window_right = _score_options(
+        q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=cu_seqlens_q.shape[0] - 1)
+    tensors = (alibi_slopes, dropout_seed)
+    ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
+    out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, *tensors,
+                              floats, ints)
+    if not return_attn_probs:
+        return out
+    return out, lse, _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors,
+                            floats, ints)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -146,14 +78,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("block_table (paged K/V) serves inference: there is no backward through a paged "
                              "cache; call under torch.no_grad() or pass tensors that do not require grad")
-        seqs = _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                            block_table)
-        return _paged_forward(q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                              return_attn_probs)
-    checks.check_qkv_shapes(q, k, v)
-    seqs = _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
-    return FlashAttnVarlenFunc.apply(q, k, v, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
-                                     alibi_slopes, deterministic, return_attn_probs)
+    else:
+        checks.check_qkv_shapes(q, k, v)
+    _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
+    return _varlen(q, k, v, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                   block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: float = 0.0,
@@ -169,9 +99,9 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: flo
         raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=1)
     checks.check_qkv_shapes(q, k, v, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
-    seqs = _packed_seqs(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None)
-    return FlashAttnVarlenQKVPackedFunc.apply(qkv, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
-                                              alibi_slopes, deterministic, return_attn_probs)
+    _check_layout(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None)
+    return _varlen(qkv, None, None, q, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None, None, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -187,6 +117,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(dim=1)
     checks.check_qkv_shapes(q, k, v, names=("q", "kv[:, 0]", "kv[:, 1]"))
-    seqs = _packed_seqs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None)
-    return FlashAttnVarlenKVPackedFunc.apply(q, kv, seqs, dropout_p, softmax_scale, causal, window_size, softcap,
-                                             alibi_slopes, deterministic, return_attn_probs)
+    _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None)
+    return _varlen(q, kv, None, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None, None,
+                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)

@@ -1,0 +1,276 @@
+"""The kernels as PyTorch custom operators (namespace ``flashtile``), so that ``torch.compile``
+traces the public functions without graph breaks and AOT autograd sees their backward.
+
+    torch.ops.flashtile.fwd / bwd                  dense (b, s, h, d)
+    torch.ops.flashtile.varlen_fwd / varlen_bwd    packed (total, h, d) with cu_seqlens (or paged K/V)
+    torch.ops.flashtile.attn_probs                 the O(N^2) probabilities (return_attn_probs)
+    torch.ops.flashtile.kvcache_fwd                append to a kv cache in place, then attend
+
+Each op is functional except kvcache_fwd (it writes k_cache and v_cache), has a fake
+implementation (shapes and dtypes only) and, for fwd and varlen_fwd, an autograd formula that
+calls the matching backward op. The ops take what the kernels take: options already checked and
+folded by the public functions (softmax_scale resolved, causal folded into window_right = 0), and
+dropout's seed as an int64 tensor drawn outside the op, so an op is a function of its inputs and
+the backward regenerates the forward's mask from the saved seed.
+
+The scalar options travel as two lists, ``floats`` and ``ints`` (layouts below): torch's custom-op
+layers re-read an op's schema once per argument on each eager call (setup_context, version bumps),
+a cost that grows with the square of the argument count (~0.3 us x n^2 on the CPU measured), so
+the ops keep few arguments.
+
+Packed layouts without copies: ``k=None`` means q is qkv (.., 3, h, d), ``v=None`` means k is
+kv (.., 2, hk, d), unbound along dim -3 inside the op. The backward op then returns one gradient
+per given tensor (dqkv; or dq, dkv; or dq, dk, dv), written by the kernels in place.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .kernels.launch import PackedSeqs, ScoreParams, attention_backward, attention_forward, attention_probs
+from .runtime import empty, empty_like, validate_enabled
+
+
+def _unpack(q: Tensor, k: Optional[Tensor], v: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k, v views of the packed layouts (see the module docstring)."""
+    if k is None:
+        return q.unbind(dim=-3)
+    if v is None:
+        return (q, *k.unbind(dim=-3))
+    return q, k, v
+
+
+def _given(q: Tensor, k: Optional[Tensor], v: Optional[Tensor]) -> List[Tensor]:
+    return [t for t in (q, k, v) if t is not None]
+
+
+# floats = [softmax_scale, softcap, dropout_p] (every attention op); ints = [window_left, window_right,
+# deterministic] for the dense ops and [max_seqlen_q, max_seqlen_k, window_left, window_right,
+# deterministic] for the varlen ones. Causal is window_right = 0.
+
+
+def _params(alibi_slopes, dropout_seed, floats, window_left, window_right) -> ScoreParams:
+    softmax_scale, softcap, dropout_p = floats
+    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+        alibi_slopes = alibi_slopes.contiguous()  # (h,) or (b, h) floats: a trivial copy
+    return ScoreParams(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
+                       window_right=window_right, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                       dropout_seed=dropout_seed if dropout_p > 0 else None)
+
+
+def _unit_last_stride(t: Tensor) -> Tensor:
+    # Incoming gradients can be expanded views (stride 0), e.g. from out.sum().backward().
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashtile::fwd", mutates_args=())
+def fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optional[Tensor],
+        dropout_seed: Optional[Tensor], floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """out (b, sq, h, d) like q, lse (b, h, sq) float32. ints[2] (deterministic) is for the
+    backward (the autograd formula reads it from here)."""
+    q, k, v = _unpack(q, k, v)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
+    lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
+    attention_forward(q, k, v, out, lse, _params(alibi_slopes, dropout_seed, floats, ints[0], ints[1]))
+    return out, lse
+
+
+@fwd.register_fake
+def _(q, k, v, alibi_slopes, dropout_seed, floats, ints):
+    batch, seqlen_q, nheads, head_dim = _unpack(q, k, v)[0].shape
+    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
+                                                                         dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtile::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], out: Tensor, lse: Tensor,
+        alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
+        ints: List[int]) -> List[Tensor]:
+    """The gradients of the given ones of q, k, v (a packed input gets one packed gradient)."""
+    grads = [empty_like(t) for t in _given(q, k, v)]
+    grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
+    attention_backward(*_unpack(q, k, v), out, _unit_last_stride(dout), lse, *grad_views,
+                       _params(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), bool(ints[2]))
+    return grads
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints):
+    return [torch.empty_like(t) for t in _given(q, k, v)]
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v, alibi_slopes, dropout_seed, floats, ints = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
+    ctx.options = (floats, ints)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+    grads = iter(bwd(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, *ctx.options))
+    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * 4
+
+
+fwd.register_autograd(_fwd_backward, setup_context=_setup_fwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen (packed sequences; paged K/V for inference)
+# ---------------------------------------------------------------------------------------------
+
+def _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k) -> PackedSeqs:
+    return PackedSeqs(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                      None if seqused_q is None else seqused_q.contiguous(),
+                      None if seqused_k is None else seqused_k.contiguous(), block_table)
+
+
+def _zero_or_empty(shape, dtype, device, zero: bool) -> Tensor:
+    if zero:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return empty(shape, dtype, device)
+
+
+@torch.library.custom_op("flashtile::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
+               ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """out (total_q, h, d) like q, lse (h, total_q) float32. With block_table, k and v are paged
+    caches (forward only). The layout's contents are checked here (they need the device's
+    values) on CPU tensors and with FLASHTILE_VALIDATE=1."""
+    q, k, v = _unpack(q, k, v)
+    max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
+    if validate_enabled() or q.device.type == "cpu":
+        checks.validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                        seqused_k, block_table)
+    seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    total_q, nheads, head_dim = q.shape
+    # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
+    out = _zero_or_empty((total_q, nheads, head_dim), q.dtype, q.device, seqused_q is not None)
+    lse = (torch.full((nheads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+           if seqused_q is not None else empty((nheads, total_q), torch.float32, q.device))
+    # The kernels see a packed batch as (1, total, h, d) views.
+    k4, v4 = (k, v) if block_table is not None else (k.unsqueeze(0), v.unsqueeze(0))
+    attention_forward(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0),
+                      _params(alibi_slopes, dropout_seed, floats, window_left, window_right), seqs)
+    return out, lse
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
+      ints):
+    total_q, nheads, head_dim = _unpack(q, k, v)[0].shape
+    return q.new_empty((total_q, nheads, head_dim)), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtile::varlen_bwd", mutates_args=())
+def varlen_bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], out: Tensor, lse: Tensor,
+               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
+               ints: List[int]) -> List[Tensor]:
+    """Gradients as :func:`bwd`; tokens past seqused get a zero gradient (the kernels skip them)."""
+    max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic = ints
+    seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, max_seqlen_q, max_seqlen_k)
+    # A packed qkv has one cu_seqlens (no seqused); a packed kv follows the keys.
+    zero = [seqused_q is not None, seqused_k is not None, seqused_k is not None]
+    grads = [torch.zeros_like(t) if z else empty_like(t) for t, z in zip(_given(q, k, v), zero)]
+    grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
+    attention_backward(*(t.unsqueeze(0) for t in _unpack(q, k, v)), out.unsqueeze(0),
+                       _unit_last_stride(dout).unsqueeze(0), lse.unsqueeze(0), *(g.unsqueeze(0) for g in grad_views),
+                       _params(alibi_slopes, dropout_seed, floats, window_left, window_right), bool(deterministic),
+                       seqs)
+    return grads
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed, floats,
+      ints):
+    return [torch.empty_like(t) for t in _given(q, k, v)]
+
+
+def _setup_varlen_fwd(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
+     ints) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                          dropout_seed)
+    ctx.paged = block_table is not None
+    ctx.options = (floats, ints)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_fwd_backward(ctx, dout, _dlse):
+    if ctx.paged:
+        raise RuntimeError("block_table (paged K/V) serves inference: there is no backward through a paged cache")
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed = ctx.saved_tensors
+    grads = iter(varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed,
+                            *ctx.options))
+    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * 9
+
+
+varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_setup_varlen_fwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# return_attn_probs (testing: O(N^2) memory, no gradient)
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashtile::attn_probs", mutates_args=())
+def attn_probs(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], lse: Tensor, cu_seqlens_q: Optional[Tensor],
+               cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+               block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor],
+               floats: List[float], ints: List[int]) -> Tensor:
+    """The probabilities (b, h, max_seqlen_q, max_seqlen_k) of the attention whose forward gave
+    ``lse``, dropped entries negated; ``floats``, ``ints`` as that forward's. Dense without cu_seqlens."""
+    q, k, _ = _unpack(q, k, v)
+    if cu_seqlens_q is None:
+        return attention_probs(q, k, lse, _params(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), q.dtype)
+    max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
+    params = _params(alibi_slopes, dropout_seed, floats, window_left, window_right)
+    seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    return attention_probs(q.unsqueeze(0), k if block_table is not None else k.unsqueeze(0), lse.unsqueeze(0),
+                           params, q.dtype, seqs)
+
+
+@attn_probs.register_fake
+def _(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
+      ints):
+    q, k, _ = _unpack(q, k, v)
+    if cu_seqlens_q is None:
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
+    return q.new_empty((cu_seqlens_q.shape[0] - 1, q.shape[1], ints[0], ints[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# kv cache (inference)
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashtile::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                cache_seqlens: Tensor, extras: List[Optional[Tensor]], floats: List[float],
+                ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """out (b, sq, h, d) like q and lse (b, h, sq) float32 of q against the cache after the new k,
+    v (if given) are written into k_cache, v_cache in place; see flash_attn_with_kvcache.
+    extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes] (one
+    list argument: this op runs per layer per decoded token, and its version-counter bump re-reads
+    the schema per argument); floats = [softmax_scale, softcap]; ints = [causal, window_left,
+    window_right, rotary_interleaved, num_splits] (the user's window: causal is not folded in)."""
+    from .kvcache import kvcache_attention  # the host logic stays with the public function (no import cycle)
+
+    return kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints)
+
+
+@kvcache_fwd.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
+                                                                         dtype=torch.float32)
