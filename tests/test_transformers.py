@@ -170,7 +170,7 @@ def test_logits_match_sdpa(dtype, padded, calls):
     ft.to(dtype)
     sdpa.to(dtype)
     ids, mask = batch_inputs(3, 29, pad=[0, 5, 11] if padded else None)
-    with torch.no_grad():
+    with torch.inference_mode():
         out = ft(ids, attention_mask=mask).logits
         ref = sdpa(ids, attention_mask=mask).logits
         exact = truth(ids, attention_mask=mask).logits
@@ -191,6 +191,20 @@ def test_generate_matches_sdpa(padded):
         ref_tokens = sdpa.generate(ids, attention_mask=mask, **options)
     assert tokens.shape == (2, 9 + 32)
     assert_same_greedy(sdpa, 9, tokens, ref_tokens, mask)
+
+
+@fresh_thread
+def test_generate_static_cache_matches_sdpa(calls):
+    """A StaticCache hands over its whole buffer: the mask says which slots hold keys."""
+    ft, sdpa = build(tiny(), [NAME, "sdpa"])
+    ids, mask = batch_inputs(2, 7, pad=[3, 0])
+    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                   cache_implementation="static", disable_compile=True)
+    with torch.no_grad():
+        tokens = ft.generate(ids, attention_mask=mask, **options)
+        ref_tokens = sdpa.generate(ids, attention_mask=mask, **options)
+    assert_same_greedy(sdpa, 7, tokens, ref_tokens, mask)
+    assert {name for name, _ in calls} == {"flash_attn_varlen_func"}
 
 
 @fresh_thread
@@ -241,6 +255,16 @@ def test_packed_training_matches_padded(calls):
         by_kwargs = ft(packed_ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                        max_length_q=13, max_length_k=13).logits
     assert_close(by_kwargs, by_positions, what="logits with cu_seq_lens kwargs")
+
+
+@fresh_thread
+def test_register_under_another_name(calls):
+    assert ft_hf.register("tiled") == "tiled"
+    ft, other = build(tiny(), [NAME, "tiled"])
+    ids, _ = batch_inputs(2, 6)
+    with torch.no_grad():
+        assert torch.equal(ft(ids).logits, other(ids).logits)
+    assert len(calls) == 4
 
 
 @fresh_thread
@@ -301,3 +325,24 @@ def test_softcap_and_sliding_gemma2_matches_eager(calls):
     windows = [kw["window_size"] for _, kw in calls]
     assert windows == [(5, 0), (-1, -1)]
     assert all(kw["softcap"] == 1.0 and kw["softmax_scale"] == 8 ** -0.5 for _, kw in calls)
+
+
+@fresh_thread
+def test_attention_function_bidirectional_window():
+    """Encoder layers (is_causal False) with a window: transformers' bidirectional sliding mask keeps
+    |i - j| <= w, and such models (ModernBERT) pass sliding_window = w + 1 to the attention function."""
+    module = torch.nn.Module()
+    module.is_causal = False
+    half, seqlen = 3, 11
+    q = torch.randn(2, 4, seqlen, 16, device=DEVICE)
+    k, v = (torch.randn(2, 2, seqlen, 16, device=DEVICE) for _ in range(2))
+    out, weights = ft_hf.flashtile_attention_forward(module, q, k, v, None, sliding_window=half + 1, scaling=0.3)
+    assert weights is None and out.shape == (2, seqlen, 4, 16)
+    pos = torch.arange(seqlen, device=DEVICE)
+    allowed = (pos[:, None] - pos[None, :]).abs() <= half
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=allowed, scale=0.3)
+    assert_close(out, ref.transpose(1, 2))
+
+    with pytest.raises(NotImplementedError, match="2D padding mask"):
+        ft_hf.flashtile_attention_forward(module, q, k, v, allowed[None, None].expand(2, 1, -1, -1))

@@ -69,8 +69,8 @@ class _Memo:
         self.entries: Dict[Tuple[int, tuple], tuple] = {}
 
     def get(self, tensor: torch.Tensor, key: tuple, compute):
-        if torch.compiler.is_compiling():
-            return compute()
+        if torch.compiler.is_compiling() or tensor.is_inference():
+            return compute()  # inference-mode tensors have no version counter to tell edits apart
         slot = (id(tensor), key)
         hit = self.entries.get(slot)
         if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
