@@ -1,0 +1,1 @@
+"""Integrations of flashtile with other libraries (each imports its library lazily, when used)."""
