@@ -44,6 +44,12 @@ class _ScatterRows(torch.autograd.Function):
         return grad.index_select(0, indices), None, None
 
 
+def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x[indices] along dim 0 (flash_attn.bert_padding's name), differentiable: the backward copies
+    the gradient rows into zeros (the indices are unique: no atomics, so runs are bit-identical)."""
+    return _GatherRows.apply(x, indices)
+
+
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
                 unused_mask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:

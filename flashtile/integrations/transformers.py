@@ -95,25 +95,9 @@ def _unpad_indices(mask: torch.Tensor):
     return indices, cu_seqlens, max_seqlen
 
 
-class _TakeRows(torch.autograd.Function):
-    """x[indices] along dim 0; the backward copies the gradient rows into zeros (indices are
-    unique: no atomics, so deterministic, unlike index_select's index_add backward on CUDA)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(indices)
-        ctx.rows = x.shape[0]
-        return x.index_select(0, indices)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (indices,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.rows,) + tuple(grad.shape[1:])).index_copy_(0, indices, grad), None
-
-
 def _gather(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """(batch, seqlen, heads, dim) -> (len(indices), heads, dim), rows of the flattened batch."""
-    return _TakeRows.apply(x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])), indices)
+    return flashtile.index_first_axis(x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:])), indices)
 
 
 def _packed_bounds(position_ids: torch.Tensor, batch: int, seqlen: int):
