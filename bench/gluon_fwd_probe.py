@@ -114,9 +114,16 @@ FULL_CASES = [
     ("strided_out_causal", 2, 200, 200, 4, 4, True, "strided_out", None),
     ("packed_qkv", 2, 256, 256, 4, 4, False, "packed", None),
     ("s2000_causal", 1, 2000, 2000, 2, 2, True, "plain", None),
+    # More tiles than SMs: a persistent CTA runs several (tile loop, ring and barrier phases
+    # carried across tiles, tiles without keys in between).
+    ("tiles_s1023", 4, 1023, 1023, 16, 16, False, "plain", None),
+    ("tiles_s1023_gqa_causal", 4, 1023, 1023, 16, 4, True, "plain", None),
+    ("tiles_q300_k100_causal", 8, 300, 100, 32, 32, True, "plain", None),
+    ("tiles_s77_causal", 16, 77, 77, 16, 16, True, "plain", None),
 ]
 QUICK_CASES = ["s113", "s1023_causal", "q113_k203_causal", "q300_k100_causal", "gqa_h8_hk2_causal",
-               "strided_out_causal"]
+               "strided_out_causal", "tiles_s1023", "tiles_s1023_gqa_causal", "tiles_q300_k100_causal",
+               "tiles_s77_causal"]
 
 
 def check_config(d, name, cfg, cases, dtypes, results):

@@ -48,6 +48,10 @@ class GluonFwdConfig:
     consumer_regs / loader_regs: registers per thread each role asks for (setmaxnreg);
     pingpong: the consumer warpgroups take turns issuing their matmuls (FA3's
     inter-warpgroup overlap: one's softmax runs under the other's matmuls).
+    persistent: about one CTA per SM, each looping over query tiles (dense batches only;
+    varlen calls take the one-CTA-per-tile grid): the next tile's Q and K/V load while a
+    tile's last P V and output store run, which short sequences (few key blocks per tile)
+    feel most. Costs a second Q-sized shared-memory buffer for staging O.
     """
 
     block_n: int
@@ -56,6 +60,7 @@ class GluonFwdConfig:
     consumer_regs: int = 240
     loader_regs: int = 40
     pingpong: bool = False
+    persistent: bool = False
 
     @property
     def block_m(self) -> int:
@@ -95,7 +100,8 @@ Config = Union[KernelConfig, GluonFwdConfig, GluonBwdConfig]
 class Rule:
     """One row of a config table: ``config`` serves head dims up to ``max_head_dim``
     (padded to a power of two), the given causal flag (None: both), key lengths in
-    [min_seqlen_k, max_seqlen_k) and the given dtypes (empty: all). First match wins.
+    [min_seqlen_k, max_seqlen_k), the given dtypes (empty: all) and packed (varlen) or dense
+    batches (None: both). First match wins.
     A ``None`` config means "this kernel does not serve these shapes"."""
 
     max_head_dim: int
@@ -104,12 +110,14 @@ class Rule:
     min_seqlen_k: int = 0
     max_seqlen_k: int = 2**62
     dtypes: tuple = ()
+    varlen: Optional[bool] = None
 
-    def matches(self, head_dim: int, causal: bool, seqlen_k: int, dtype) -> bool:
+    def matches(self, head_dim: int, causal: bool, seqlen_k: int, dtype, varlen: bool = False) -> bool:
         return (padded_head_dim(head_dim) <= self.max_head_dim
                 and (self.causal is None or self.causal == causal)
                 and self.min_seqlen_k <= seqlen_k < self.max_seqlen_k
-                and (not self.dtypes or dtype in self.dtypes))
+                and (not self.dtypes or dtype in self.dtypes)
+                and (self.varlen is None or self.varlen == varlen))
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -184,6 +192,13 @@ _TUNED: dict = {
             Rule(256, KernelConfig(128, 64, num_warps=8, num_stages=2)),
         ],
         FWD_GLUON: [
+            # Dense batches with short keys: persistent CTAs (the next tile loads under a tile's last
+            # P V and output store); bench/gluon_fwd_probe.py at seqlen 1k-16k
+            # (bench/results/2026-11-21-h200-persistent/). Packed batches keep the per-tile grid.
+            Rule(64, GluonFwdConfig(128, 3, pingpong=True, persistent=True), causal=False, max_seqlen_k=2048,
+                 varlen=False),
+            Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
+                 causal=False, min_seqlen_k=2048, varlen=False),
             Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
                  causal=False, min_seqlen_k=4096),
             Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
@@ -191,7 +206,12 @@ _TUNED: dict = {
             Rule(64, None),
             # Head dims 96 and 192 (padded to 128 / 256) take these rules: they run the d128 / d256
             # kernels on tiles of the padded width (gluon_forward.HEAD_DIMS lists what it serves).
-            Rule(128, GluonFwdConfig(128, 2, pingpong=True)),
+            Rule(128, GluonFwdConfig(128, 2, pingpong=True), varlen=True),
+            Rule(128, GluonFwdConfig(128, 2, persistent=True), causal=False, max_seqlen_k=4096),
+            Rule(128, GluonFwdConfig(128, 2), causal=False),
+            Rule(128, GluonFwdConfig(128, 2, pingpong=True, persistent=True), causal=True, max_seqlen_k=16384),
+            Rule(128, GluonFwdConfig(128, 2), causal=True),
+            # (A persistent d256 CTA would need 256 KB of shared memory with its O staging buffer.)
             Rule(256, GluonFwdConfig(64, 2, pingpong=True)),
         ],
         BWD_GLUON: [
@@ -280,26 +300,27 @@ def overridden(kernel: str) -> bool:
 
 
 def get_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
-               dtype: Optional[torch.dtype] = None) -> Optional[Config]:
-    """The config for ``kernel`` on ``arch`` ('sm90', 'interpreter', ...) for these shapes.
+               dtype: Optional[torch.dtype] = None, varlen: bool = False) -> Optional[Config]:
+    """The config for ``kernel`` on ``arch`` ('sm90', 'interpreter', ...) for these shapes
+    (``varlen``: a packed batch; ``seqlen_k`` is then its longest sequence's).
 
     Order: :func:`override`, then the tuned table of ``arch``, then the portable defaults.
     None: the kernel does not serve these shapes.
     """
     if kernel in _OVERRIDES:
         return _OVERRIDES[kernel]
-    return table_config(kernel, arch, head_dim, causal, seqlen_k, dtype)
+    return table_config(kernel, arch, head_dim, causal, seqlen_k, dtype, varlen)
 
 
 @functools.lru_cache(maxsize=4096)  # the tables are constant; called on every attention call
 def table_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
-                 dtype: Optional[torch.dtype] = None) -> Optional[Config]:
+                 dtype: Optional[torch.dtype] = None, varlen: bool = False) -> Optional[Config]:
     """The committed tables alone (no override)."""
     if arch == "interpreter":
         return _INTERPRETER[kernel]
     for table in (_TUNED.get(arch, {}).get(kernel), _DEFAULT_GPU[kernel]):
         for rule in table or ():
-            if rule.matches(head_dim, causal, seqlen_k, dtype):
+            if rule.matches(head_dim, causal, seqlen_k, dtype, varlen):
                 return rule.config
     if kernel in (FWD_GLUON, BWD_GLUON):
         return None

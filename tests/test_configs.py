@@ -56,7 +56,7 @@ def test_config_computes_the_same_function(kernel, config, causal):
 @pytest.mark.parametrize("kernel", [FWD_GLUON, BWD_GLUON])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,nheads_k", [(700, 1000, 2), (1000, 700, 4), (4, 333, 1)])
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(max(len(GLUON_FWD), len(GLUON_BWD), 1)))
 def test_gluon_config(kernel, causal, seqlen_q, seqlen_k, nheads_k, index):
     """Each Gluon config, forced through the override hook, against the reference."""
     from flashtile.kernels.launch import ScoreParams, gluon_config
@@ -69,3 +69,22 @@ def test_gluon_config(kernel, causal, seqlen_q, seqlen_k, nheads_k, index):
     with override(**{kernel: config}):
         assert gluon_config(kernel, q, k, v, ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1))
         check_against_reference(flash_attn_func, q, k, v, causal=causal, backward=kernel == BWD_GLUON)
+
+
+PERSISTENT_FWD = [(d, cfg) for d, cfg in GLUON_FWD if cfg.persistent]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run on sm90 only")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(777, 777), (1000, 300), (300, 1000), (64, 64)])
+@pytest.mark.parametrize("index", range(max(len(PERSISTENT_FWD), 1)))
+def test_gluon_persistent_forward_many_tiles(causal, seqlen_q, seqlen_k, index):
+    """A persistent forward with several tiles per CTA (more tiles than SMs): the K/V ring, the
+    ping-pong turns and the Q hand-back carry over from tile to tile, causal pairs of tiles, tiles
+    without keys (seqlen_q > seqlen_k) in between."""
+    if index >= len(PERSISTENT_FWD):
+        pytest.skip("no such config")
+    head_dim, config = PERSISTENT_FWD[index]
+    q, k, v = make_qkv(6, seqlen_q, seqlen_k, 16, 4, head_dim, torch.bfloat16)
+    with override(fwd_gluon=config):
+        check_against_reference(flash_attn_func, q, k, v, causal=causal, backward=False)

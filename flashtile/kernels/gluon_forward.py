@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .hopper import gluon_descriptor, qkv_supported
 from ..configs import GluonFwdConfig, padded_head_dim
+from ..runtime import multiprocessor_count
 
 LOG2E = 1.4426950408889634
 
@@ -61,6 +62,12 @@ CANDIDATES = {
         "c2_n128_s3_pp": GluonFwdConfig(128, 3, 2, 240, 40, True),
         "c3_n128_s2": GluonFwdConfig(128, 2, 3, 160, 24, False),
         "c3_n128_s2_pp": GluonFwdConfig(128, 2, 3, 160, 24, True),
+        # Persistent (one CTA per SM looping over tiles).
+        "c2_n128_s3_pp_persist": GluonFwdConfig(128, 3, 2, 240, 40, True, True),
+        "c3_n128_s2_persist": GluonFwdConfig(128, 2, 3, 160, 24, False, True),
+        "c3_n128_s2_pp_persist": GluonFwdConfig(128, 2, 3, 160, 24, True, True),
+        "c2_n64_s4_pp_persist": GluonFwdConfig(64, 4, 2, 240, 40, True, True),
+        "c3_n64_s4_pp_persist": GluonFwdConfig(64, 4, 3, 160, 24, True, True),
     },
     128: {
         "c2_n128_s2": GluonFwdConfig(128, 2, 2, 240, 40, False),
@@ -68,6 +75,8 @@ CANDIDATES = {
         "c2_n128_s3": GluonFwdConfig(128, 3, 2, 240, 40, False),
         "c2_n128_s3_pp": GluonFwdConfig(128, 3, 2, 240, 40, True),
         "c2_n64_s4": GluonFwdConfig(64, 4, 2, 240, 40, False),
+        "c2_n128_s2_pp_persist": GluonFwdConfig(128, 2, 2, 240, 40, True, True),
+        "c2_n128_s2_persist": GluonFwdConfig(128, 2, 2, 240, 40, False, True),
     },
     256: {
         "c2_n64_s2": GluonFwdConfig(64, 2, 2, 240, 40, False),
@@ -151,52 +160,117 @@ def _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     return n_unmasked, n_total
 
 
+@gluon.jit
+def _dense_units(seqlen_q, nheads, n_batch, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work units of a persistent CTA's dense schedule: a query tile, or when causal a pair of
+    tiles of one head (the longest with the shortest, the second longest with the second
+    shortest, ...) whose key blocks add up to the same count, so that CTAs taking units round
+    robin finish together."""
+    tiles_m = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        tiles_m = (tiles_m + 1) // 2
+    return tiles_m * nheads * n_batch
+
+
+@gluon.jit
+def _unit_tiles(u, seqlen_q, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tiles in unit u: 1, or 2 for causal pairs (the middle tile of an odd count is alone)."""
+    if CAUSAL:
+        tiles_m = gl.cdiv(seqlen_q, BLOCK_M)
+        per_head = (tiles_m + 1) // 2
+        alone = ((tiles_m % 2) == 1) & ((u % per_head) == per_head - 1)
+        n = gl.where(alone, 1, 2)
+    else:
+        n = 1
+    return n
+
+
+@gluon.jit
+def _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(start_m, head, kv head, batch) of tile ``half`` of unit u. Units of one head are
+    consecutive (CTAs running side by side share that head's K/V in L2)."""
+    tiles_m = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        per_head = (tiles_m + 1) // 2
+        k = u % per_head
+        head_batch = u // per_head
+        pid_m = gl.where(half == 0, tiles_m - 1 - k, k)
+    else:
+        pid_m = u % tiles_m
+        head_batch = u // tiles_m
+    head = head_batch % nheads
+    return pid_m * BLOCK_M, head, head // head_group, head_batch // nheads
+
+
 # ----------------------------------------------------------------------------------------------
 # Loader partition: Q once, then the K/V ring.
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                tma_batch, q_row, k_start, head, kv_head, n_total,
-                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                v_empty, tma_batch, q_row, k_start, head, kv_head, n_total, kv0, q_phase,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                PERSISTENT: gl.constexpr):
+    """Q of one tile, then its n_total K/V blocks. kv0: K/V blocks this CTA loaded before (the ring
+    position); q_phase: tiles before, mod 2 (persistent CTAs wait until the consumers released the
+    previous tile's Q)."""
     for c in gl.static_range(NUM_CONSUMERS):
+        if PERSISTENT:
+            mbarrier.wait(q_empty.index(c), q_phase ^ 1)
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [tma_batch, q_row + c * 64, head, 0], q_ready.index(c),
                                         q_smem.index(c))
 
-    for j in range(n_total):
+    for jj in range(n_total):
+        j = kv0 + jj
         stage = j % NUM_STAGES
         # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), empty_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_start + j * BLOCK_N, kv_head, 0],
+        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
                                         k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_start + j * BLOCK_N, kv_head, 0],
+        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
                                         v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
-    start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
-        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
-        IS_VARLEN)
-    n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                      seqused_q is not None)
-    if IS_VARLEN:
-        # Key blocks running past the sequence read the next one's keys (masked by the consumers).
-        if valid:
-            _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                        v_empty, 0, q_start + start_m, k_start, head, kv_head, n_total,
-                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS)
+            NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+            PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        kv0 = 0
+        tile_iter = 0
+        for u in range(gl.program_id(0), _dense_units(seqlen_q, nheads, n_batch, BLOCK_M, CAUSAL),
+                       gl.num_programs(0)):
+            for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
+                start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
+                n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, kv0, tile_iter & 1,
+                            BLOCK_N, NUM_STAGES, NUM_CONSUMERS, True)
+                kv0 += n_total
+                tile_iter += 1
     else:
-        _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                    batch, start_m, 0, head, kv_head, n_total, BLOCK_N, NUM_STAGES, NUM_CONSUMERS)
+        start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
+            IS_VARLEN)
+        n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                          seqused_q is not None)
+        if IS_VARLEN:
+            # Key blocks running past the sequence read the next one's keys (masked by the consumers).
+            if valid:
+                _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                            v_ready, v_empty, 0, q_start + start_m, k_start, head, kv_head, n_total, 0, 0,
+                            BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
+        else:
+            _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                        v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, 0, 0,
+                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,26 +323,28 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
 
 @gluon.jit
 def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
-                      acc, p_op, m_i, l_i, j_start, j_end, rows, seqlen_k, diag, qk_scale_log2,
+                      acc, p_op, m_i, l_i, j_start, j_end, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       s_layout: gl.constexpr, p_layout: gl.constexpr, SKIP_LAST_CHUNK: gl.constexpr):
     """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, run the
-    softmax of S_j while the PV wgmma is in flight. SKIP_LAST_CHUNK: see _scores_skipping_zero_chunk."""
+    softmax of S_j while the PV wgmma is in flight. SKIP_LAST_CHUNK: see _scores_skipping_zero_chunk.
+    kv0: the ring position of block 0 (K/V blocks consumed by earlier tiles of a persistent CTA);
+    turn0: the ping-pong issue points of those tiles."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     for j in range(j_start, j_end):
-        stage = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
-        prev = (j - 1) % NUM_STAGES
-        prev_phase = ((j - 1) // NUM_STAGES) & 1
+        stage = (kv0 + j) % NUM_STAGES
+        phase = ((kv0 + j) // NUM_STAGES) & 1
+        prev = (kv0 + j - 1) % NUM_STAGES
+        prev_phase = ((kv0 + j - 1) // NUM_STAGES) & 1
 
         mbarrier.wait(k_ready.index(stage), phase)
         mbarrier.wait(v_ready.index(prev), prev_phase)
         k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
         v_prev = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
         if PINGPONG:
-            # Issue point number j of this warpgroup (the prologue was number 0).
-            mbarrier.wait(my_turn, j & 1)
+            # Issue point number j of this warpgroup in this tile (the prologue was number 0).
+            mbarrier.wait(my_turn, (turn0 + j) & 1)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         if SKIP_LAST_CHUNK:
             s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage), s_zero)
@@ -294,13 +370,17 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-             stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
-             start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
+def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+             lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
+             start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, kv0, turn0, q_phase,
              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
-             HEAD_DIM_TRUE: gl.constexpr):
+             HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One 64-row slice of a tile. kv0 / turn0 / q_phase: the K/V ring position, ping-pong issue
+    points and tiles (mod 2) of the tiles a persistent CTA ran before this one (0 otherwise).
+    A persistent CTA hands Q back to the loader after the tile's last S and stages O in o_smem, so
+    the next tile's Q lands during this tile's last P V and its output store."""
     # HEAD_DIM: the tiles' width (a power of two); HEAD_DIM_TRUE: the tensors' (<= HEAD_DIM). TMA
     # zero-fills the columns past HEAD_DIM_TRUE on loads and clips them on stores, so S is exact and
     # O's columns past it come out zero; only the register store below has to leave them alone.
@@ -326,7 +406,7 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
     other_turn = turn.index((CONSUMER + 1) % (BLOCK_M // 64))
     q_buf = q_smem.index(CONSUMER)
     q_op = q_buf.reshape([64, HEAD_DIM])
-    mbarrier.wait(q_ready.index(CONSUMER), 0)
+    mbarrier.wait(q_ready.index(CONSUMER), q_phase)
 
     m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([64], gl.float32, row_layout)
@@ -334,12 +414,14 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
 
     if n_total > 0:
         # Block 0 alone: S_0, softmax, nothing to overlap yet. Masked unconditionally (once).
-        mbarrier.wait(k_ready.index(0), 0)
-        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
+        stage0 = kv0 % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage0), (kv0 // NUM_STAGES) & 1)
+        k_t = k_smem.index(stage0).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
         if PINGPONG:
-            mbarrier.wait(my_turn, 0)
+            mbarrier.wait(my_turn, turn0 & 1)
         if SKIP_LAST_CHUNK:
-            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(0), gl.zeros([64, BLOCK_N], gl.float32, s_layout))
+            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage0),
+                                                gl.zeros([64, BLOCK_N], gl.float32, s_layout))
         else:
             s_tok = warpgroup_mma(q_op, k_t, gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                   is_async=True)
@@ -349,7 +431,7 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
             s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_buf, k_smem])
         else:
             s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(stage0))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2,
                                             BLOCK_N, True, CAUSAL, s_layout)
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
@@ -358,25 +440,30 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
         split = gl.maximum(n_unmasked, 1)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
-            1, split, rows, seqlen_k, diag, qk_scale_log2,
+            1, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
             BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
-            split, n_total, rows, seqlen_k, diag, qk_scale_log2,
+            split, n_total, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
             BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK)
 
+        if PERSISTENT:
+            mbarrier.arrive(q_empty.index(CONSUMER))  # every S of the tile has retired
+
         # Drain: O += P_last V_last.
-        last = n_total - 1
+        last = kv0 + n_total - 1
         stage = last % NUM_STAGES
         mbarrier.wait(v_ready.index(stage), (last // NUM_STAGES) & 1)
         v_last = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
         if PINGPONG:
-            mbarrier.wait(my_turn, n_total & 1)
+            mbarrier.wait(my_turn, (turn0 + n_total) & 1)
         o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
         acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_last])
         mbarrier.arrive(v_empty.index(stage))
+    elif PERSISTENT:
+        mbarrier.arrive(q_empty.index(CONSUMER))
 
     # A row that saw no key (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0
@@ -422,77 +509,108 @@ def _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty
         lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
         gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
 
-        # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which clips
-        # rows past seqlen_q.
-        q_op.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], q_buf)
-        tma.store_wait(0)
+        if PERSISTENT:
+            # The previous tile's store must have read the staging buffer; this one's completes
+            # under the next tile (the kernel waits for it before exiting).
+            o_buf = o_smem.index(CONSUMER)
+            tma.store_wait(0)
+            o_buf.reshape([64, HEAD_DIM]).store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], o_buf)
+        else:
+            # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which
+            # clips rows past seqlen_q.
+            q_op.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], q_buf)
+            tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
-              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
               CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
-        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
-        IS_VARLEN)
-    n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                      seqused_q is not None)
-    if IS_VARLEN:
-        if valid:
-            _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                     stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
-                     start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
-                     CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                     seqused_q is not None, HEAD_DIM_TRUE)
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+              IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        kv0 = 0
+        turn0 = 0
+        tile_iter = 0
+        for u in range(gl.program_id(0), _dense_units(seqlen_q, nheads, n_batch, BLOCK_M, CAUSAL),
+                       gl.num_programs(0)):
+            for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
+                start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
+                n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
+                         turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_unmasked, n_total,
+                         kv0, turn0, tile_iter & 1, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
+                         False, False, HEAD_DIM_TRUE, True)
+                kv0 += n_total
+                # A tile with key blocks has n_total + 1 issue points (S_0, then S_j with
+                # P_{j-1} V_{j-1}, then the last P V).
+                turn0 += gl.where(n_total > 0, n_total + 1, 0)
+                tile_iter += 1
+        tma.store_wait(0)
     else:
-        _consume(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                 stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
-                 start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total,
-                 CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE)
+        start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
+            IS_VARLEN)
+        n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                          seqused_q is not None)
+        if IS_VARLEN:
+            if valid:
+                _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
+                         turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked,
+                         n_total, 0, 0, 0, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
+                         seqused_q is not None, HEAD_DIM_TRUE, False)
+        else:
+            _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                     o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
+                     start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, 0, 0, 0,
+                     CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE,
+                     False)
 
 
 @gluon.jit
-def _consumer0(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
-               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+def _consumer0(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+               lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+               seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
-              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)
+               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
+              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT)
 
 
 @gluon.jit
-def _consumer1(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
-               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+def _consumer1(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+               lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+               seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
-              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)
+               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
+              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT)
 
 
 @gluon.jit
-def _consumer2(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-               stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
-               seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+def _consumer2(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+               lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+               seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-              stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k, seqused_q,
-              seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)
+               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
+              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
+              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,15 +621,18 @@ def _consumer2(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_emp
 # compilations. Varlen (IS_VARLEN): cu_seqlens_q / cu_seqlens_k (batch + 1,) int32 prefix sums,
 # seqused_q / seqused_k (batch,) int32 or None, o_ptr / stride_o_s / stride_o_h address out for the
 # ragged-tile store; dense passes None for all of them (compile-time constants, no code).
+# PERSISTENT (dense only): a grid of about one CTA per SM, each looping over the work units
+# u = program_id, program_id + num_programs, ... (see _dense_units); otherwise one CTA per
+# (query block, head, batch) of the grid.
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group",
-                              "stride_o_s", "stride_o_h"])
+                              "n_batch", "stride_o_s", "stride_o_h"])
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h,
-                          seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2,
+                          seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o_ptr, stride_o_s, stride_o_h,
                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                           PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -525,6 +646,16 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
+    if PERSISTENT:
+        # O is staged apart from Q (the next tile's Q lands while this tile's O is stored), and each
+        # consumer hands its Q buffer back through q_empty.
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
+        for c in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(q_empty.index(c), count=1)
+    else:
+        o_smem = q_smem
+        q_empty = q_ready
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
@@ -542,35 +673,42 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     # constexprs into runtime scalars.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
-            (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
-                       BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
+            (_consumer0, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+                          lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                          PERSISTENT)),
+            (_consumer1, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+                          lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                          PERSISTENT)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
+                       PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
-            (_consumer1, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
-            (_consumer2, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, lse_ptr,
-                          stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, qk_scale_log2,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
-                       BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN)),
+            (_consumer0, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+                          lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                          PERSISTENT)),
+            (_consumer1, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+                          lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                          PERSISTENT)),
+            (_consumer2, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
+                          lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                          PERSISTENT)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
+                       PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -606,6 +744,12 @@ def _launch(q, k, v, out, lse, softmax_scale, causal, config, **varlen):
     return make_launcher(q, k, v, out, lse, softmax_scale, causal, config, **varlen)()
 
 
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # compile checks on CPU tensors (an H100 SXM / H200)
+    return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
                   seqused_q=None, seqused_k=None, max_seqlen_q=None):
     """A zero-argument launch with the TMA descriptors built once (timing without host overhead).
@@ -630,14 +774,21 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
         grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, n_seqs)
         lse_strides = (0, lse.stride(0))
         out_args = (out, out.stride(1), out.stride(2))
+        persistent = False
     else:
         assert cu_seqlens_k is None and seqused_q is None and seqused_k is None
         # Query blocks of one head are adjacent in launch order so they share K/V in L2.
         grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
         lse_strides = (lse.stride(0), lse.stride(1))
         out_args = (None, None, None)
+        persistent = cfg.persistent
     if min(grid) == 0:
         return lambda: None
+    if persistent:
+        # One CTA per SM (a CTA's registers fill an SM), each taking work units round robin: query
+        # tiles in the order above, or causal pairs of them (the kernel's _dense_units).
+        units = (triton.cdiv(grid[0], 2) if causal else grid[0]) * grid[1] * grid[2]
+        grid = (min(units, _multiprocessors(q.device)), 1, 1)
 
     # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
     # the tensors, whose missing columns TMA reads as zeros and never writes.
@@ -650,11 +801,11 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     def launch():
         return gluon_attn_fwd_kernel[grid](
             q_desc, k_desc, v_desc, o_desc, lse, *lse_strides,
-            seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
+            seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch, softmax_scale * LOG2E,
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *out_args,
             BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
             CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
-            CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim,
+            CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
             num_warps=4,
         )
     return launch

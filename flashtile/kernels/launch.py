@@ -206,7 +206,8 @@ def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Packe
     if any(overridden(name) for name in portable) and not overridden(kernel):
         return None  # an explicit portable config was asked for
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
-    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype,
+                     varlen=seqs is not None)
     if cfg is None:
         return None
     # Imported on sm90 only (Gluon has no CPU interpreter).
