@@ -279,6 +279,11 @@ def compiled_flex_attention():
         if hasattr(dynamo_config, limit_name):
             setattr(dynamo_config, limit_name, max(getattr(dynamo_config, limit_name), 256))
             break
+    # The "bwd" mode times autograd.grad(..., retain_graph=True) on one forward, which a compiled
+    # backward with donated buffers refuses: turn donation off so Flex's backward is timed too.
+    functorch_config = torch._functorch.config
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
     return torch.compile(flex_attention, dynamic=False)
 
 
