@@ -243,7 +243,9 @@ _C = KernelConfig
 PORTABLE_CANDIDATES = {
     FWD: {
         64: [_C(64, 64, 4, 3), _C(128, 64, 4, 3, True), _C(128, 64, 4, 3, True, True), _C(128, 128, 8, 3, True, True),
-             _C(128, 128, 4, 3, True, True), _C(128, 64, 8, 3, True, True), _C(128, 128, 8, 2, True)],
+             _C(128, 128, 4, 3, True, True), _C(128, 64, 8, 3, True, True), _C(128, 128, 8, 2, True),
+             _C(64, 64, 4, 3, True), _C(64, 128, 4, 3, True, True), _C(128, 64, 4, 4, True), _C(128, 32, 4, 3, True),
+             _C(64, 32, 4, 4, True)],
         128: [_C(128, 64, 8, 3), _C(128, 64, 8, 3, True), _C(128, 128, 8, 3, True), _C(128, 64, 8, 3, True, True),
               _C(128, 128, 8, 3, True, True), _C(128, 128, 8, 2, True, True), _C(128, 128, 4, 3, True, True),
               _C(128, 64, 4, 3, True, True)],
