@@ -15,11 +15,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
 import zlib
+
+from probe_pieces import load_json, run_script
 
 TIME_BUDGET_S = 7 * 60 + 20  # the whole run must stay under 8 minutes
 T0 = time.time()
@@ -360,25 +361,7 @@ def child_time_variant(spec, out_dir):
 
 def run_child(args, out_dir, timeout):
     timeout = max(5, min(timeout, TIME_BUDGET_S - elapsed()))
-    cmd = [sys.executable, os.path.abspath(__file__), "--out", out_dir] + args
-    env = dict(os.environ)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    log(f"== child {' '.join(args)} (timeout {timeout:.0f}s, t={elapsed():.0f}s)")
-    try:
-        r = subprocess.run(cmd, timeout=timeout, env=env)
-        return r.returncode
-    except subprocess.TimeoutExpired:
-        log(f"!! child {' '.join(args)} TIMED OUT after {timeout:.0f}s (deadlock or too slow)")
-        return "timeout"
-
-
-def load(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except Exception:
-        return None
+    return run_script(__file__, ["--out", out_dir] + args, timeout, "child")
 
 
 def main():
@@ -421,7 +404,7 @@ def main():
         quick = args.quick or first_of_dim.setdefault(d, spec) != spec
         rc = run_child(["--child", "check", "--spec", spec] + (["--quick"] if quick else []), args.out,
                        120 if quick else 200)
-        res = load(os.path.join(args.out, f"check_{spec.replace(':', '_')}.json"))
+        res = load_json(os.path.join(args.out, f"check_{spec.replace(':', '_')}.json"))
         summary["checks"][spec] = res
         summary["child_status"][f"check {spec}"] = rc
         if res and res["all_ok"] and rc == 0:
@@ -432,17 +415,17 @@ def main():
         if summary["baselines"] is None and "baselines" not in summary["child_status"]:
             rc = run_child(["--child", "base", "--head-dims", ",".join(map(str, head_dims))], args.out, 120)
             summary["child_status"]["baselines"] = rc
-            summary["baselines"] = load(os.path.join(args.out, "time_baselines.json"))
+            summary["baselines"] = load_json(os.path.join(args.out, "time_baselines.json"))
         if elapsed() > TIME_BUDGET_S - 20:
             log(f"time budget reached; not timing {spec}")
             continue
         rc = run_child(["--child", "time", "--spec", spec], args.out, 120)
         summary["child_status"][f"time {spec}"] = rc
-        summary["timings"][spec] = load(os.path.join(args.out, f"time_{spec.replace(':', '_')}.json"))
+        summary["timings"][spec] = load_json(os.path.join(args.out, f"time_{spec.replace(':', '_')}.json"))
     if "baselines" not in summary["child_status"] and elapsed() < TIME_BUDGET_S - 20:
         rc = run_child(["--child", "base", "--head-dims", ",".join(map(str, head_dims))], args.out, 120)
         summary["child_status"]["baselines"] = rc
-        summary["baselines"] = load(os.path.join(args.out, "time_baselines.json"))
+        summary["baselines"] = load_json(os.path.join(args.out, "time_baselines.json"))
 
     with open(os.path.join(args.out, "gluon_bwd_probe.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -28,11 +28,12 @@ import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
 import zlib
+
+from probe_pieces import load_json, run_script
 
 TIME_BUDGET_S = 7 * 60 + 20
 T0 = time.time()
@@ -316,24 +317,7 @@ def piece_time(head_dims):
 
 def run_piece(args, out_dir, timeout):
     timeout = max(5, min(timeout, TIME_BUDGET_S - elapsed()))
-    cmd = [sys.executable, os.path.abspath(__file__), "--out", out_dir] + args
-    env = dict(os.environ)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    log(f"== piece {' '.join(args)} (timeout {timeout:.0f}s, t={elapsed():.0f}s)")
-    try:
-        return subprocess.run(cmd, timeout=timeout, env=env).returncode
-    except subprocess.TimeoutExpired:
-        log(f"!! piece {' '.join(args)} TIMED OUT after {timeout:.0f}s")
-        return "timeout"
-
-
-def load(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except Exception:
-        return None
+    return run_script(__file__, ["--out", out_dir] + args, timeout, "piece")
 
 
 def main():
@@ -367,11 +351,11 @@ def main():
             break
         rc = run_piece(["--piece", "check", "--head-dims", str(d)], args.out, 240)
         report["status"][f"check d{d}"] = rc
-        report["checks"][d] = load(os.path.join(args.out, f"padded_check_d{d}.json"))
+        report["checks"][d] = load_json(os.path.join(args.out, f"padded_check_d{d}.json"))
     if not args.skip_timing:
         rc = run_piece(["--piece", "time", "--head-dims", args.head_dims], args.out, 300)
         report["status"]["time"] = rc
-        report["timing"] = load(os.path.join(args.out, "padded_time_" + "_".join(f"d{d}" for d in head_dims) + ".json"))
+        report["timing"] = load_json(os.path.join(args.out, "padded_time_" + "_".join(f"d{d}" for d in head_dims) + ".json"))
     tag = "_".join(f"d{d}" for d in head_dims)
     with open(os.path.join(args.out, f"gluon_padded_dims_probe_{tag}.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -22,6 +22,29 @@ def log(*a):
     print(*a, flush=True)
 
 
+def run_script(script: str, args: list, timeout: float, label: str = "piece"):
+    """Run ``python script *args`` in a child process with the repository on PYTHONPATH; its
+    return code, or "timeout" when it ran past ``timeout`` seconds (deadlocked or too slow)."""
+    env = dict(os.environ)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log(f"== {label} {' '.join(args)} (timeout {timeout:.0f}s)")
+    try:
+        return subprocess.run([sys.executable, os.path.abspath(script), *args], timeout=timeout, env=env).returncode
+    except subprocess.TimeoutExpired:
+        log(f"!! {label} {' '.join(args)} TIMED OUT after {timeout:.0f}s (deadlock or too slow)")
+        return "timeout"
+
+
+def load_json(path: str):
+    """The JSON a child wrote, or None when it wrote none (crashed, timed out)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def _run_one(run_piece, name: str, out_dir: str, prefix: str) -> None:
     started = time.time()
     try:
@@ -53,17 +76,11 @@ def _run_all(script: str, prefix: str, pieces, budget_s: float, wanted, out_dir:
         path = os.path.join(out_dir, f"{prefix}_{name}.json")
         if os.path.exists(path):
             os.remove(path)
-        try:
-            subprocess.run([sys.executable, os.path.abspath(script), "--piece", name, "--out", out_dir],
-                           timeout=limit, check=False)
-            if os.path.exists(path):
-                with open(path) as f:
-                    report["pieces"][name] = json.load(f)
-            else:
-                report["pieces"][name] = {"status": "CRASHED"}
-        except subprocess.TimeoutExpired:
-            log(f"== {name}: TIMEOUT after {limit:.0f}s (deadlock?)")
+        rc = run_script(script, ["--piece", name, "--out", out_dir], limit)
+        if rc == "timeout":
             report["pieces"][name] = {"status": "TIMEOUT"}
+        else:
+            report["pieces"][name] = load_json(path) or {"status": "CRASHED"}
         report["pieces"][name]["seconds"] = time.time() - started
         with open(report_path, "w") as f:
             json.dump(report, f, indent=1)
