@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-NHEADS, NHEADS_K, HEAD_DIM, PAGE = 32, 8, 128, 256
+from flashtile.bench_decode import HEAD_DIM, NHEADS_K, decode_inputs, graph_time_ms, paged_copy  # noqa: E402
+
 POINTS = ((1, 131072), (8, 32768), (8, 131072), (64, 8192), (128, 8192), (32, 65536))
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -40,7 +41,6 @@ def main() -> int:
 
     from flashtile import flash_attn_with_kvcache
     from flashtile.bench import warm_up_gpu
-    from flashtile.bench_decode import graph_time_ms
     from flashtile.configs import FWD_DECODE, PORTABLE_CANDIDATES, override, table_config
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -62,21 +62,13 @@ def main() -> int:
     records = []
     for batch, length in points:
         kv_bytes = 2 * batch * length * NHEADS_K * HEAD_DIM * 2
-        q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        k_cache = torch.randn(batch, length, NHEADS_K, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        v_cache = torch.randn_like(k_cache)
-        seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        pages = length // PAGE
-        table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+        q, k_cache, v_cache, seqlens, table = decode_inputs(torch, batch, length)
         with torch.no_grad():
             expected = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
                                                       v_cache.transpose(1, 2), enable_gqa=True).transpose(1, 2).float()
         for layout in args.layouts.split(","):
             if layout == "paged":
-                kc = torch.empty(batch * pages, PAGE, NHEADS_K, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                vc = torch.empty_like(kc)
-                kc[table.long()] = k_cache.view(batch, pages, PAGE, NHEADS_K, HEAD_DIM)
-                vc[table.long()] = v_cache.view(batch, pages, PAGE, NHEADS_K, HEAD_DIM)
+                kc, vc = paged_copy(torch, k_cache, v_cache, table)
                 extra = dict(block_table=table)
             else:
                 kc, vc, extra = k_cache, v_cache, {}

@@ -28,6 +28,31 @@ MAX_CACHE_BYTES = 24 * 2**30  # skip points whose K + V would not fit comfortabl
 SYSTEMS = ("flashtile", "flashtile paged", "sdpa", "sdpa cudnn", "sdpa fa2")
 
 
+def decode_inputs(torch, batch: int, length: int, device: str = "cuda") -> tuple:
+    """(q, k_cache, v_cache, cache_seqlens, block_table) of one point: random bf16 q (batch, 1,
+    NHEADS, HEAD_DIM) and a full contiguous cache (batch, length, NHEADS_K, HEAD_DIM), and a block
+    table that scatters each sequence over shuffled pages of PAGE keys (see paged_copy)."""
+    q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k_cache = torch.randn(batch, length, NHEADS_K, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    pages = length // PAGE
+    table = torch.randperm(batch * pages, device=device).view(batch, pages).to(torch.int32)
+    return q, k_cache, v_cache, seqlens, table
+
+
+def paged_copy(torch, k_cache, v_cache, table) -> tuple:
+    """The contiguous caches' contents in paged pools (pages, PAGE, NHEADS_K, HEAD_DIM), laid out
+    as ``table`` says."""
+    batch, pages = table.shape
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.empty(batch * pages, PAGE, NHEADS_K, HEAD_DIM, device=cache.device, dtype=cache.dtype)
+        pool[table.long()] = cache.view(batch, pages, PAGE, NHEADS_K, HEAD_DIM)
+        pools.append(pool)
+    return tuple(pools)
+
+
 def graph_time_ms(torch, fn, calls: int = 5, replays: int = 10) -> float:
     """Milliseconds per call of ``fn``, replayed from a CUDA graph of ``calls`` calls (median of 3)."""
     stream = torch.cuda.Stream()
@@ -119,16 +144,8 @@ def run(args, argv, meta_fn) -> int:
             kv_bytes = 2 * batch * length * NHEADS_K * HEAD_DIM * 2
             if kv_bytes > MAX_CACHE_BYTES:
                 continue
-            q = torch.randn(batch, 1, NHEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            k_cache = torch.randn(batch, length, NHEADS_K, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
-            seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-            pages = length // PAGE
-            table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
-            k_paged = torch.empty(batch * pages, PAGE, NHEADS_K, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            v_paged = torch.empty_like(k_paged)
-            k_paged[table.long()] = k_cache.view(batch, pages, PAGE, NHEADS_K, HEAD_DIM)
-            v_paged[table.long()] = v_cache.view(batch, pages, PAGE, NHEADS_K, HEAD_DIM)
+            q, k_cache, v_cache, seqlens, table = decode_inputs(torch, batch, length)
+            k_paged, v_paged = paged_copy(torch, k_cache, v_cache, table)
             systems = {
                 "flashtile": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
                 "flashtile paged": lambda: flash_attn_with_kvcache(q, k_paged, v_paged, cache_seqlens=seqlens,
