@@ -481,34 +481,6 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                       CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
 
 
-@gluon.jit
-def _consumer0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
-               q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-               stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-              ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-              seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-              cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-              stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
-
-
-@gluon.jit
-def _consumer1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
-               q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-               stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-              ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-              seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-              cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-              stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
@@ -554,17 +526,18 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
         mbarrier.init(ds_free.index(i), count=_NC)
     fence_async_shared()
 
+    # Each consumer gets its index as a literal (a constexpr) in the inline argument tuple.
     gl.warp_specialize([
-        (_consumer0, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
-        (_consumer1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                      stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                     q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                     seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                     cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                     stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                     q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                     seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                     cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
+                     stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
@@ -846,34 +819,6 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                            CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
 
 
-@gluon.jit
-def _consumer_d256_0(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
-                     q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                     seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                     cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                     stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
-                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                   seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                   cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                   stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
-
-
-@gluon.jit
-def _consumer_d256_1(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
-                     q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                     seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                     cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                     stride_dv_h, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
-                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                   seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                   cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                   stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
-
-
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
                               "stride_dk_h", "stride_dv_s", "stride_dv_h"])
 def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
@@ -915,19 +860,20 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
         mbarrier.init(ds_free.index(i), count=_NC)
     fence_async_shared()
 
+    # Each consumer gets its index as a literal (a constexpr) in the inline argument tuple.
     gl.warp_specialize([
-        (_consumer_d256_0, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
-                            q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                            seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                            cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
-                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                            HEAD_DIM_TRUE)),
-        (_consumer_d256_1, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
-                            q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
-                            seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
-                            cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
-                            stride_dv_s, stride_dv_h, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                            HEAD_DIM_TRUE)),
+        (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
+                          q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                          seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                          cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
+                          stride_dv_s, stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
+                          HEAD_DIM_TRUE)),
+        (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
+                          q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                          seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
+                          cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
+                          stride_dv_s, stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
+                          HEAD_DIM_TRUE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,

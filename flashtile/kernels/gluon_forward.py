@@ -574,45 +574,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty
                      False)
 
 
-@gluon.jit
-def _consumer0(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-               lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-               seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
-              0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT)
-
-
-@gluon.jit
-def _consumer1(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-               lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-               seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
-              1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT)
-
-
-@gluon.jit
-def _consumer2(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-               lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-               seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
-              2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
@@ -670,19 +631,19 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
         mbarrier.arrive(turn.index(0))  # consumer 0 issues first
 
     # Argument tuples are written inline: a tuple bound to a variable would turn the
-    # constexprs into runtime scalars.
+    # constexprs into runtime scalars. Each consumer gets its index as a literal (a constexpr).
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                          o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                          PERSISTENT)),
-            (_consumer1, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                          o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                          PERSISTENT)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                         qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                         PERSISTENT)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                         qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                         PERSISTENT)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
@@ -690,21 +651,21 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                          o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                          PERSISTENT)),
-            (_consumer1, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                          o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                          PERSISTENT)),
-            (_consumer2, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                          o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                          cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                          qk_scale_log2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                          PERSISTENT)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                         qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                         PERSISTENT)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                         qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                         PERSISTENT)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+                         qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
+                         PERSISTENT)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
