@@ -2,8 +2,9 @@
 
 Each entry point checks its arguments (in Python, so under ``torch.compile`` the checks run once
 at trace time), folds the options into the kernels' scalars and calls the custom operators of
-:mod:`flashtile.ops`, whose registered autograd formula runs the backward kernels: eager and
-compiled calls take the same path. Packed variants hand the packed tensor itself to the op, which
+:mod:`flashtile.ops` (through ops.dense_attention / ops.varlen_attention: the ops themselves
+while torch.compile traces, the same functions in a plain autograd.Function in eager mode, which
+costs less host time per call). Either way the backward kernels run from the same formula. Packed variants hand the packed tensor itself to the op, which
 takes views of it and writes one packed gradient: no copies on either side.
 """
 
@@ -43,7 +44,7 @@ def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softc
         q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
-    out, lse = ops.fwd(q, k, v, *tensors, floats, ints)
+    out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)
     if not return_attn_probs:
         return out
     return out, lse, _probs(q, k, v, lse, None, None, None, None, None, tensors, floats, ints)

@@ -8,7 +8,9 @@ traces the public functions without graph breaks and AOT autograd sees their bac
 
 Each op is functional except kvcache_fwd (it writes k_cache and v_cache), has a fake
 implementation (shapes and dtypes only) and, for fwd and varlen_fwd, an autograd formula that
-calls the matching backward op. The ops take what the kernels take: options already checked and
+calls the matching backward op. The public functions reach fwd and varlen_fwd through
+dense_attention / varlen_attention: the ops while torch.compile traces, and in eager mode the same
+bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time. The ops take what the kernels take: options already checked and
 folded by the public functions (softmax_scale resolved, causal folded into window_right = 0), and
 dropout's seed as an int64 tensor drawn outside the op, so an op is a function of its inputs and
 the backward regenerates the forward's mask from the saved seed.
@@ -74,6 +76,10 @@ def fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optio
         dropout_seed: Optional[Tensor], floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
     """out (b, sq, h, d) like q, lse (b, h, sq) float32. ints[2] (deterministic) is for the
     backward (the autograd formula reads it from here)."""
+    return _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints)
+
+
+def _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints):
     q, k, v = _unpack(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
@@ -94,6 +100,10 @@ def bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], out: 
         alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
         ints: List[int]) -> List[Tensor]:
     """The gradients of the given ones of q, k, v (a packed input gets one packed gradient)."""
+    return _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints)
+
+
+def _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints):
     grads = [empty_like(t) for t in _given(q, k, v)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
     attention_backward(*_unpack(q, k, v), out, _unit_last_stride(dout), lse, *grad_views,
@@ -114,13 +124,42 @@ def _setup_fwd(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _fwd_backward(ctx, dout, _dlse):
+def _fwd_backward(ctx, dout, _dlse, backward=bwd):
     q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
-    grads = iter(bwd(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, *ctx.options))
+    grads = iter(backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, *ctx.options))
     return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * 4
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_setup_fwd)
+
+
+def _eager_function(name, forward_body, setup_context, formula, backward_body):
+    """An autograd.Function that runs an op's body and its registered autograd formula without the
+    custom-op layers: their host time (166 us of a forward + backward at a tiny shape on the H200's
+    host, bench/backward_host_time.py) shows at small shapes. For eager calls only."""
+
+    def forward(ctx, *inputs):
+        output = forward_body(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    def backward(ctx, dout, dlse):
+        return formula(ctx, dout, dlse, backward=backward_body)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
+
+
+_EagerDense = _eager_function("_EagerDense", _fwd_body, _setup_fwd, _fwd_backward, _bwd_body)
+
+
+def dense_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                    dropout_seed: Optional[Tensor], floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """The fwd op, differentiable: torch.ops.flashtile.fwd while torch.compile traces (one opaque
+    node, AOT autograd sees its backward op), the same bodies through _EagerDense otherwise."""
+    if torch.compiler.is_compiling():
+        return fwd(q, k, v, alibi_slopes, dropout_seed, floats, ints)
+    return _EagerDense.apply(q, k, v, alibi_slopes, dropout_seed, floats, ints)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +186,12 @@ def varlen_fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q
     """out (total_q, h, d) like q, lse (h, total_q) float32. With block_table, k and v are paged
     caches (forward only). The layout's contents are checked here (they need the device's
     values) on CPU tensors and with FLASHTILE_VALIDATE=1."""
+    return _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
+                            dropout_seed, floats, ints)
+
+
+def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
+                     dropout_seed, floats, ints):
     q, k, v = _unpack(q, k, v)
     max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
     if validate_enabled() or q.device.type == "cpu":
@@ -178,6 +223,12 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor]
                alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
                ints: List[int]) -> List[Tensor]:
     """Gradients as :func:`bwd`; tokens past seqused get a zero gradient (the kernels skip them)."""
+    return _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                            alibi_slopes, dropout_seed, floats, ints)
+
+
+def _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                     dropout_seed, floats, ints):
     max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic = ints
     seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, max_seqlen_q, max_seqlen_k)
     # A packed qkv has one cu_seqlens (no seqused); a packed kv follows the keys.
@@ -208,16 +259,32 @@ def _setup_varlen_fwd(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _varlen_fwd_backward(ctx, dout, _dlse):
+def _varlen_fwd_backward(ctx, dout, _dlse, backward=varlen_bwd):
     if ctx.paged:
         raise RuntimeError("block_table (paged K/V) serves inference: there is no backward through a paged cache")
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed = ctx.saved_tensors
-    grads = iter(varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed,
-                            *ctx.options))
+    grads = iter(backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed,
+                          *ctx.options))
     return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * 9
 
 
 varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_setup_varlen_fwd)
+
+
+_EagerVarlen = _eager_function("_EagerVarlen", _varlen_fwd_body, _setup_varlen_fwd, _varlen_fwd_backward,
+                               _varlen_bwd_body)
+
+
+def varlen_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+                     block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor],
+                     floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """The varlen_fwd op, differentiable (see dense_attention)."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed,
+            floats, ints)
+    if torch.compiler.is_compiling():
+        return varlen_fwd(*args)
+    return _EagerVarlen.apply(*args)
 
 
 # ---------------------------------------------------------------------------------------------

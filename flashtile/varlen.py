@@ -29,8 +29,8 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=cu_seqlens_q.shape[0] - 1)
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
-    out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, *tensors,
-                              floats, ints)
+    out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                                    *tensors, floats, ints)
     if not return_attn_probs:
         return out
     return out, lse, _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors,

@@ -1,6 +1,7 @@
-"""The public functions are PyTorch custom operators: torch.library.opcheck on each op, and
-torch.compile(fullgraph=True) of small modules (no graph breaks, no recompiles on a second call
-with the same shapes) matching eager results, forward and backward.
+"""The public functions are PyTorch custom operators: torch.library.opcheck on each op, the eager
+path (the ops' bodies without the custom-op layers) equal to the ops, and torch.compile(fullgraph=True)
+of small modules (no graph breaks, no recompiles on a second call with the same shapes) matching
+eager results, forward and backward.
 
 On CPU the compiled modules run with backend="aot_eager" (dynamo, fake tensors and AOT autograd,
 without inductor's C++ compile); on CUDA with the default inductor backend."""
@@ -103,6 +104,33 @@ def test_opcheck_varlen():
                                                        out, lse, cu_q, cu_k, None, seqused_k, *PLAIN, ints))
     torch.library.opcheck(OPS.attn_probs.default, (q.detach(), k.detach(), v.detach(), lse, cu_q, cu_k, None, None,
                                                    None, *PLAIN, ints))
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager calls: the ops' bodies in a plain autograd.Function (less host time), same results
+# ---------------------------------------------------------------------------------------------
+
+def test_eager_path_is_the_op():
+    """Eager public calls skip the custom-op layers (ops.dense_attention / varlen_attention run the
+    same bodies through an autograd.Function): outputs and gradients equal the ops' bit for bit."""
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN, 2, 1, HEAD_DIM, torch.float32)
+    # deterministic=True as in CAUSAL: bit equality needs dQ summed in a fixed order.
+    out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    assert type(out.grad_fn).__name__ == "_EagerDenseBackward"
+    out_op, _ = OPS.fwd(q, k, v, *PLAIN, CAUSAL)
+    dout = torch.randn_like(out)
+    assert torch.equal(out, out_op)
+    for g, g_op in zip(_grads(out, (q, k, v), dout), _grads(out_op, (q, k, v), dout)):
+        assert torch.equal(g, g_op)
+
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs((5, 0, SEQLEN), (7, 3, SEQLEN - 2), torch.float32)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, deterministic=True)
+    assert type(out.grad_fn).__name__ == "_EagerVarlenBackward"
+    out_op, _ = OPS.varlen_fwd(q, k, v, cu_q, cu_k, None, None, None, *PLAIN, [max_q, max_k, *CAUSAL])
+    dout = torch.randn_like(out)
+    assert torch.equal(out, out_op)
+    for g, g_op in zip(_grads(out, (q, k, v), dout), _grads(out_op, (q, k, v), dout)):
+        assert torch.equal(g, g_op)
 
 
 def _cache(batch=2, capacity=None, dtype=torch.float16):
