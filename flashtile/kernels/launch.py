@@ -395,7 +395,7 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     pre_cfg = get_config(FWD, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
     gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None:
-        from .gluon_backward import CANDIDATES, gluon_attention_backward
+        from .gluon_backward import CANDIDATES, make_launcher as gluon_backward_launcher
 
         varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
                                                seqused_q=seqs.seqused_q, max_seqlen_k=seqs.max_seqlen_k)
@@ -406,11 +406,15 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
             k_c, v_c, dk_c, dv_c = (t[:, :, hk0:hk1] for t in (k, v, dk, dv))
             lse_c = lse[:, h0:h1]
             delta, lse_log2 = row_stats_buffers(lse_c)
-            launch_preprocess(out_c, dout_c, lse_c, delta, lse_log2, seqs, pre_cfg.block_m)
 
             def run_gluon(cfg):
-                gluon_attention_backward(q_c, k_c, v_c, dout_c, lse_log2, delta, dq_c, dk_c, dv_c,
-                                         params.softmax_scale, params.causal, cfg, **varlen)
+                # The host work (TMA descriptors, the dQ accumulator) comes before the preprocess
+                # kernel, so that the preprocess, zeroing, backward and dQ-convert kernels go out back
+                # to back: done between them, it left the GPU idle after the short preprocess.
+                launch = gluon_backward_launcher(q_c, k_c, v_c, dout_c, lse_log2, delta, dq_c, dk_c, dv_c,
+                                                 params.softmax_scale, params.causal, cfg, **varlen)
+                launch_preprocess(out_c, dout_c, lse_c, delta, lse_log2, seqs, pre_cfg.block_m)
+                launch()
             run_gluon(_tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon))
         return
     delta, lse_log2 = row_stats_buffers(lse)
