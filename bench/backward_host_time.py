@@ -1,6 +1,7 @@
-"""Host time of a backward at a tiny shape, layer by layer: autograd.grad through the custom op,
-the op called directly, its Python implementation, and launch.attention_backward (Gluon and
-portable), then cProfile of attention_backward.
+"""Host time of a backward at a tiny shape, layer by layer: autograd.grad, forward + backward through
+the public function (eager autograd.Function) and through the custom op, the backward op called
+directly, its Python implementation, and launch.attention_backward (Gluon and portable), then
+cProfile of attention_backward.
 
     PYTHONPATH=<repo> python bench/backward_host_time.py
 
@@ -26,6 +27,14 @@ dout = torch.randn(1, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
 out = flash_attn_func(q, k, v, causal=True)
 rows = {}
 rows["autograd.grad (bwd alone)"] = per_call_us(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+# Forward + backward: the public function (eager: ops.dense_attention's autograd.Function) against
+# the custom op it runs under torch.compile (torch.ops.flashtile.fwd and its registered backward).
+opts = ([128 ** -0.5, 0.0, 0.0], [-1, 0, 0])
+rows["flash_attn_func (fwd)"] = per_call_us(lambda: flash_attn_func(q, k, v, causal=True))
+rows["flash_attn_func + autograd.grad"] = per_call_us(
+    lambda: torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout))
+rows["torch.ops.flashtile.fwd + autograd.grad"] = per_call_us(
+    lambda: torch.autograd.grad(torch.ops.flashtile.fwd(q, k, v, None, None, *opts)[0], (q, k, v), dout))
 out2, lse = torch.ops.flashtile.fwd(q.detach(), k.detach(), v.detach(), None, None, [128 ** -0.5, 0.0, 0.0], [-1, 0, 0])
 args = (dout, q.detach(), k.detach(), v.detach(), out2, lse, None, None, [128 ** -0.5, 0.0, 0.0], [-1, 0, 0])
 rows["torch.ops.flashtile.bwd"] = per_call_us(lambda: torch.ops.flashtile.bwd(*args))
