@@ -10,10 +10,11 @@ Each op is functional except kvcache_fwd (it writes k_cache and v_cache), has a 
 implementation (shapes and dtypes only) and, for fwd and varlen_fwd, an autograd formula that
 calls the matching backward op. The public functions reach fwd and varlen_fwd through
 dense_attention / varlen_attention: the ops while torch.compile traces, and in eager mode the same
-bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time. The ops take what the kernels take: options already checked and
-folded by the public functions (softmax_scale resolved, causal folded into window_right = 0), and
-dropout's seed as an int64 tensor drawn outside the op, so an op is a function of its inputs and
-the backward regenerates the forward's mask from the saved seed.
+bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time.
+The ops take what the kernels take: options already checked and folded by the public functions
+(softmax_scale resolved, causal folded into window_right = 0), and dropout's seed as an int64
+tensor drawn outside the op, so an op is a function of its inputs and the backward regenerates the
+forward's mask from the saved seed.
 
 The scalar options travel as two lists, ``floats`` and ``ints`` (layouts below): torch's custom-op
 layers re-read an op's schema once per argument on each eager call (setup_context, version bumps),
@@ -135,8 +136,8 @@ fwd.register_autograd(_fwd_backward, setup_context=_setup_fwd)
 
 def _eager_function(name, forward_body, setup_context, formula, backward_body):
     """An autograd.Function that runs an op's body and its registered autograd formula without the
-    custom-op layers: their host time (166 us of a forward + backward at a tiny shape on the H200's
-    host, bench/backward_host_time.py) shows at small shapes. For eager calls only."""
+    custom-op layers: their host time (170-330 us of a forward + backward at a tiny shape on the
+    H200 hosts, bench/backward_host_time.py) shows at small shapes. For eager calls only."""
 
     def forward(ctx, *inputs):
         output = forward_body(*inputs)
