@@ -37,6 +37,19 @@ def per_call_us(fn, calls=CALLS):
     return (t1 - t0) / calls * 1e6
 
 
+def print_profile(fn, sort: str, lines: int, calls: int = 200):
+    """cProfile of ``calls`` calls of fn: the top ``lines`` entries by ``sort``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(lines)
+    print(buf.getvalue())
+
+
 def dissect_jit_launch(fn, launch):
     """Where a JIT launch's host time goes: binding/specialising the arguments, then the
     compiled kernel's launcher (which also encodes the TMA descriptors)."""
@@ -168,25 +181,9 @@ def main():
         rows["sdpa decode"] = per_call_us(lambda: F.scaled_dot_product_attention(qdt, kct, vct, enable_gqa=True))
 
     if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
         with torch.no_grad():
-            for _ in range(200):
-                decode()
-        prof.disable()
-        torch.cuda.synchronize()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-        print(buf.getvalue())
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(200):
-            fwd_bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(45)
-        print(buf.getvalue())
+            print_profile(decode, "tottime", 25)
+        print_profile(fwd_bwd, "cumulative", 45)
 
     os.makedirs(args.out, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, head_dim=d, seqlen=s,
