@@ -7,7 +7,8 @@ Triton backward's gradients).
     git show REV:flashtile/kernels/gluon_backward.py > flashtile/kernels/_baseline_gluon_backward.py
     PYTHONPATH=<repo>:<repo>/bench python bench/gluon_ab.py --mode fwd --head-dims 64 --out $OUT
 
-Variants: ``base:<config>`` runs the baseline module, ``new:<config>`` the working one; <config> is
+Variants: ``base:<config>`` runs the baseline module, ``new:<config>`` the working one, ``X:<config>``
+a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py (several experiments in one run); <config> is
 ``table`` (the committed table entry for the point) or a name in VARIANTS (forward) or in
 gluon_backward.CANDIDATES (backward). Also timed:
 torch SDPA's cuDNN backend (the ratios' anchor; its backward through autograd). Prints a table of
@@ -50,15 +51,22 @@ def log(*a):
     print(*a, flush=True)
 
 
+def variant_module(side, mode):
+    """The kernel module a variant's side names: new = the working tree, base = the baseline copy,
+    any other X = a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py."""
+    if side == "new":
+        return new_bwd_module if mode == "bwd" else new_module
+    prefix = "baseline" if side == "base" else side
+    return importlib.import_module(f"flashtile.kernels._{prefix}_gluon_{'backward' if mode == 'bwd' else 'forward'}")
+
+
 def resolve(spec, d, causal, seqlen, mode="fwd"):
     side, name = spec.split(":")
+    module = variant_module(side, mode)
     if mode == "bwd":
-        module = new_bwd_module if side == "new" else importlib.import_module(
-            "flashtile.kernels._baseline_gluon_backward")
         if name == "table":
             return module, table_config(BWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen)
         return module, module.CANDIDATES[d][name]
-    module = new_module if side == "new" else importlib.import_module("flashtile.kernels._baseline_gluon_forward")
     cfg = table_config(FWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen) if name == "table" else VARIANTS[name]
     return module, cfg
 

@@ -8,16 +8,20 @@ GQA group) that can see the key block:
     ("ready": bytes landed, "empty": both warpgroups done with the slot);
   * a consumer warpgroup works on transposed (keys x queries) tiles, so P and dS come out of the
     wgmma accumulators already in the register-A layout of the dV and dK products:
-        S^T = K Q^T, dP^T = V dO^T                         (wgmma, shared x shared)
-        P^T = exp2(S^T * scale_log2 - lse_log2)
+        S^T - lse = K Q^T - lse_log2 / scale_log2,  dP^T - delta = V dO^T - delta
+                                                           (wgmma, shared x shared; the
+                                                            accumulators start at -lse, -delta)
+        P^T = exp2((S^T - lse) * scale_log2)
         dV += P^T dO                                       (wgmma, P^T from registers)
         dS^T = P^T (dP^T - delta)
         dK += dS^T Q                                       (wgmma, dS^T from registers)
-    dS^T also goes to shared memory; once both warpgroups wrote their halves (mbarrier), each
-    computes its share of dQ = dS K (one half of head dim, or one half of the query rows) and
-    adds it to a float32 dQ accumulator in global memory with a TMA reduce-add
-    (cp.reduce.async.bulk.tensor), FA3's way. A small Triton kernel scales and casts that
-    accumulator into dq.
+    dS^T also goes to shared memory (double-buffered). While the dV and dK products of query
+    block m run, a warpgroup computes its share of dQ = dS K of block m - 1 (one half of head
+    dim, or one half of the query rows), whose halves from both warpgroups are in by then; so the
+    warpgroups need not meet every block, and one's elementwise phase can overlap the other's
+    wgmmas. Each share is added to a float32 dQ accumulator in global memory with a TMA
+    reduce-add (cp.reduce.async.bulk.tensor), FA3's way. A small Triton kernel scales and casts
+    that accumulator into dq.
 Head dim 256 has its own consumer (gluon_attn_bwd_d256_kernel, same loader and bookkeeping):
 64 keys per CTA, each warpgroup owning half of the head dim of dK and dV; see the section
 "Head dim 256" below.
@@ -279,22 +283,69 @@ def _store_rows(ptr, stride_s, stride_h, row0, head, col0, vals, n_rows, layout:
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _query_blocks(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem,
-                  k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
-                  seqlen_q, seqlen_k, qk_scale_log2,
+def _issue_dq(ds_smem, k_smem, buf, dq_layout: gl.constexpr, CONSUMER: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+    """This warpgroup's share of dQ = dS K for the query block whose dS^T halves (both
+    warpgroups') are in buffer buf: one half of the head dim, or (DQ_SPLIT_M) of the query rows."""
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    DQ_N: gl.constexpr = dq_layout.instr_shape[1]
+    dq_tok = gl.zeros([_KPC, DQ_N], gl.float32, dq_layout)
+    for c in gl.static_range(_NC):
+        ds_c = ds_smem.index(buf * _NC + c).permute([1, 0])           # [BLOCK_M, 64 keys]
+        k_c = k_smem.index(c).reshape([_KPC, HEAD_DIM])  # [64 keys, HEAD_DIM]
+        if DQ_SPLIT_M:
+            ds_c = ds_c.slice(CONSUMER * _KPC, _KPC, dim=0)
+        else:
+            k_c = k_c.slice(CONSUMER * DQ_N, DQ_N, dim=1)
+        dq_tok = warpgroup_mma(ds_c, k_c, dq_tok, use_acc=c > 0, is_async=True)
+    return dq_tok
+
+
+@gluon.jit
+def _wait_dkdv(pending: gl.constexpr, dv_tok, dk_tok, p_op, ds_op, q_buf, do_buf):
+    """dV, dK once their wgmmas retire (pending: how many later wgmma groups may stay in flight)."""
+    dv, dk, _, _, _, _ = warpgroup_mma_wait(pending, deps=[dv_tok, dk_tok, p_op, ds_op, q_buf, do_buf])
+    return dv, dk
+
+
+@gluon.jit
+def _wait_dq(dq_tok, ds_smem):
+    """The dQ share once its wgmmas (reading the dS^T buffers) retire."""
+    dq, _ = warpgroup_mma_wait(0, deps=[dq_tok, ds_smem])
+    return dq
+
+
+@gluon.jit
+def _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, q_row, head, CONSUMER: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+    """Stage this warpgroup's dQ share and add it to the float32 accumulator (rows from q_row)."""
+    DQ_N: gl.constexpr = dq_smem.shape[4]
+    dq_stage = dq_smem.index(CONSUMER)
+    dq_stage.reshape([_KPC, DQ_N]).store(dq)
+    fence_async_shared()
+    if DQ_SPLIT_M:
+        _tma_reduce_add(dq_desc, [tma_batch, q_row + CONSUMER * _KPC, head, 0], dq_stage)
+    else:
+        _tma_reduce_add(dq_desc, [tma_batch, q_row, head, CONSUMER * DQ_N], dq_stage)
+
+
+@gluon.jit
+def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_batch, q_start, key0, q_smem, do_smem,
+                  lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free,
+                  dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
                   s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr):
-    """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, reduce-add dQ."""
+    """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, and reduce-add the dQ
+    of the block before each (its dS^T halves are in shared memory by then: the warpgroups need
+    not meet every block, so one's elementwise phase can overlap the other's wgmmas). prev_row,
+    prev_head: where that previous block's dQ goes (the caller drains the last one)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    DQ_N: gl.constexpr = dq_smem.shape[4]
     dtype: gl.constexpr = k_smem.dtype
     diag = seqlen_k - seqlen_q
     k_mine = k_smem.index(CONSUMER).reshape([_KPC, HEAD_DIM])
     v_mine = v_smem.index(CONSUMER).reshape([_KPC, HEAD_DIM])
-    dq_stage = dq_smem.index(CONSUMER)
     keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    lse_to_score = 1.0 / qk_scale_log2
 
     for m in range(m_start, m_stop):
         slot = it % NUM_STAGES
@@ -303,9 +354,11 @@ def _query_blocks(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, key0, q
         mbarrier.wait(q_ready.index(slot), (it // NUM_STAGES) & 1)
         q_buf = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_buf = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        s_tok = warpgroup_mma(k_mine, q_buf.permute([1, 0]),
-                              gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
+        # S^T starts at -lse in score units (lse_log2 / scale_log2), so x = S^T * scale_log2 comes
+        # straight out of the wgmma and lse is read before the wgmmas claim shared memory.
+        lse = lse_smem.index(slot).load(col_layout)
+        s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
+        s_tok = warpgroup_mma(k_mine, q_buf.permute([1, 0]), s_init, is_async=True)
         # dP^T - delta straight out of the wgmma: its accumulator starts at -delta (broadcast
         # over keys), so delta is not live while dS^T is formed.
         delta = delta_smem.index(slot).load(col_layout)
@@ -314,10 +367,7 @@ def _query_blocks(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, key0, q
 
         # P^T while dP^T is still in flight.
         s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_mine, q_buf])
-        # lse is read from shared memory just before use (one value per accumulator column a
-        # thread holds), so it is not live across the wgmmas.
-        lse = lse_smem.index(slot).load(col_layout)
-        x = s * qk_scale_log2 - gl.expand_dims(lse, 0)
+        x = s * qk_scale_log2
         if MASK:
             cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
             keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(cols < seqlen_q, 0)
@@ -339,40 +389,34 @@ def _query_blocks(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, key0, q
         ds_op = gl.convert_layout(ds, a_layout)
         dk_tok = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
 
-        # Publish this warpgroup's dS^T rows; dQ needs both halves.
-        ds_phase = (it // 2) & 1
-        mbarrier.wait(ds_free.index(buf), ds_phase ^ 1)
+        # Publish this warpgroup's dS^T rows (buffer free once both have used it two blocks ago).
+        mbarrier.wait(ds_free.index(buf), ((it // 2) & 1) ^ 1)
         ds_smem.index(buf * _NC + CONSUMER).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(buf))
-        mbarrier.wait(ds_ready.index(buf), ds_phase)
 
-        dq_tok = gl.zeros([_KPC, DQ_N], gl.float32, dq_layout)
-        for c in gl.static_range(_NC):
-            ds_c = ds_smem.index(buf * _NC + c).permute([1, 0])           # [BLOCK_M, 64 keys]
-            k_c = k_smem.index(c).reshape([_KPC, HEAD_DIM])  # [64 keys, HEAD_DIM]
-            if DQ_SPLIT_M:
-                ds_c = ds_c.slice(CONSUMER * _KPC, _KPC, dim=0)
-            else:
-                k_c = k_c.slice(CONSUMER * DQ_N, DQ_N, dim=1)
-            dq_tok = warpgroup_mma(ds_c, k_c, dq_tok, use_acc=c > 0, is_async=True)
-
-        # dV, dK retired: the Q/dO slot is free.
-        dv, dk, _, _, _, _ = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok, p_op, ds_op, q_buf, do_buf])
-        mbarrier.arrive(q_empty.index(slot))
-        # The previous reduce-add must have read the staging buffer before it is overwritten.
-        tma.store_wait(0)
-        gl.thread_barrier()
-        dq, _ = warpgroup_mma_wait(0, deps=[dq_tok, ds_smem])
-        mbarrier.arrive(ds_free.index(buf))
-        dq_stage.reshape([_KPC, DQ_N]).store(dq)
-        fence_async_shared()
-        if DQ_SPLIT_M:
-            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m + CONSUMER * _KPC, head, 0], dq_stage)
+        if it > 0:
+            # dQ of the previous block, whose halves are both in by now (the other warpgroup
+            # published its own a whole block ago, unless it runs a block behind).
+            prev = it - 1
+            mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
+            dq_tok = _issue_dq(ds_smem, k_smem, prev % 2, dq_layout, CONSUMER, DQ_SPLIT_M)
+            # dV, dK retired: the Q/dO slot is free.
+            dv, dk = _wait_dkdv(1, dv_tok, dk_tok, p_op, ds_op, q_buf, do_buf)
+            mbarrier.arrive(q_empty.index(slot))
+            # The previous reduce-add must have read the staging buffer before it is overwritten.
+            tma.store_wait(0)
+            gl.thread_barrier()
+            dq = _wait_dq(dq_tok, ds_smem)
+            mbarrier.arrive(ds_free.index(prev % 2))
+            _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, prev_row, prev_head, CONSUMER, DQ_SPLIT_M)
         else:
-            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, CONSUMER * DQ_N], dq_stage)
+            dv, dk = _wait_dkdv(0, dv_tok, dk_tok, p_op, ds_op, q_buf, do_buf)
+            mbarrier.arrive(q_empty.index(slot))
+        prev_row = q_start + start_m
+        prev_head = head
         it += 1
-    return it, dk, dv
+    return it, dk, dv, prev_row, prev_head
 
 
 @gluon.jit
@@ -401,23 +445,35 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
     dv = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_ready, 0)
     it = 0
+    prev_row = 0
+    prev_head = 0
     for g in range(head_group):
         head = kv_head * head_group + g
-        it, dk, dv = _query_blocks(
-            it, dk, dv, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-            v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+        it, dk, dv, prev_row, prev_head = _query_blocks(
+            it, dk, dv, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
+            delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
+            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout)
-        it, dk, dv = _query_blocks(
-            it, dk, dv, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-            v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
+        it, dk, dv, prev_row, prev_head = _query_blocks(
+            it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
+            delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
+            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout)
-        it, dk, dv = _query_blocks(
-            it, dk, dv, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-            v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+        it, dk, dv, prev_row, prev_head = _query_blocks(
+            it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
+            delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
+            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout)
+
+    if it > 0:
+        # dQ of the last query block.
+        prev = it - 1
+        mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
+        dq_tok = _issue_dq(ds_smem, k_smem, prev % 2, dq_layout, CONSUMER, DQ_SPLIT_M)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        dq = _wait_dq(dq_tok, ds_smem)
+        _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, prev_row, prev_head, CONSUMER, DQ_SPLIT_M)
 
     # The other warpgroup's dQ wgmmas read our K tile: wait until both are done, then stage
     # dK, dV in the K, V tiles and store them with TMA (rows past seqlen_k are clipped).
@@ -611,6 +667,7 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
 
     keys = start_n + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    lse_to_score = 1.0 / qk_scale_log2
 
     for m in range(m_start, m_stop):
         slot = it % NUM_STAGES
@@ -626,18 +683,19 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         # S^T = K Q_c^T and dP^T = V dO_c^T for this warpgroup's query rows, summed over the
         # head-dim chunks. (Starting dP^T at -delta, as at d64/d128, makes ptxas wait for S^T
         # before issuing dP^T.)
-        s_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout)
+        # S^T starts at -lse in score units, as at d64/d128.
+        lse = lse_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
+        s_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
         for j in gl.static_range(NCHUNK_USED):
             s_tok = warpgroup_mma(k_chunks.index(j), q_tiles.index(2 * j + CONSUMER).permute([1, 0]), s_tok,
-                                  use_acc=j > 0, is_async=True)
+                                  is_async=True)
         dp_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout)
         for j in gl.static_range(NCHUNK_USED):
             dp_tok = warpgroup_mma(v_chunks.index(j), do_tiles.index(2 * j + CONSUMER).permute([1, 0]), dp_tok,
                                    use_acc=j > 0, is_async=True)
 
         s, _, _, _ = warpgroup_mma_wait(NCHUNK_USED, deps=[s_tok, k_chunks, q_tiles, q_smem])
-        lse = lse_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
-        x = s * qk_scale_log2 - gl.expand_dims(lse, 0)
+        x = s * qk_scale_log2
         if MASK:
             cols = start_m + CONSUMER * HALF_M + gl.arange(0, HALF_M, layout=col_layout)
             keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(cols < seqlen_q, 0)
@@ -929,9 +987,9 @@ def grads_supported(dout, dq, dk, dv) -> bool:
 def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale: float, causal: bool,
                              config: GluonBwdConfig, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                              max_seqlen_k=None) -> None:
-    """dq, dk, dv <- gradients of softmax(q k^T * softmax_scale) v (written in place; they may be
-    strided views). q, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d); lse_log2, delta:
-    float32 (b, h, sq) from attn_bwd_preprocess_kernel, rows padded to a multiple of 4 values
+    """dq, dk, dv <- gradients of softmax(q k^T * softmax_scale) v, softmax_scale > 0 (written in
+    place; they may be strided views). q, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d);
+    lse_log2, delta: float32 (b, h, sq) from attn_bwd_preprocess_kernel, rows padded to a multiple of 4 values
     (padded_row_stride(); the TMA boxes that stream them must start 16-byte aligned). See supported().
 
     Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, dout, dq (1, total_q, h, d),
@@ -992,6 +1050,8 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = config
+    # The score accumulators start at -lse / scale (see the module docstring).
+    assert softmax_scale > 0, softmax_scale
     row_stride = padded_row_stride(seqlen_q)
     for t in (lse_log2, delta):
         assert t.dtype == torch.float32 and t.stride() == (nheads * row_stride, row_stride, 1), t.stride()
