@@ -221,8 +221,8 @@ _TUNED: dict = {
             Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),
             # Also head dim 96 (and 192 below), on tiles of the padded width.
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
-            # 64 keys per CTA, each warpgroup half of the head dim (not yet measured on the H200:
-            # bench/gluon_bwd_probe.py --head-dims 256).
+            # 64 keys per CTA, each warpgroup half of the head dim: block_m 64 with 2 stages is what
+            # fits shared memory (1.02-1.12x cuDNN in bench/results/2026-11-21-h200-bwd-stagger/sweep).
             Rule(256, GluonBwdConfig(block_m=64, num_stages=2)),
         ],
         BWD_DKDV: [
