@@ -355,14 +355,14 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         q_buf = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_buf = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         # S^T starts at -lse in score units (lse_log2 / scale_log2), so x = S^T * scale_log2 comes
-        # straight out of the wgmma and lse is read before the wgmmas claim shared memory.
+        # straight out of the wgmma; dP^T starts at -delta, so delta is not live while dS^T is
+        # formed. Both are read before either wgmma claims shared memory, and the two wgmmas
+        # issue back to back.
         lse = lse_smem.index(slot).load(col_layout)
-        s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
-        s_tok = warpgroup_mma(k_mine, q_buf.permute([1, 0]), s_init, is_async=True)
-        # dP^T - delta straight out of the wgmma: its accumulator starts at -delta (broadcast
-        # over keys), so delta is not live while dS^T is formed.
         delta = delta_smem.index(slot).load(col_layout)
+        s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
         dp_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
+        s_tok = warpgroup_mma(k_mine, q_buf.permute([1, 0]), s_init, is_async=True)
         dp_tok = warpgroup_mma(v_mine, do_buf.permute([1, 0]), dp_init, is_async=True)
 
         # P^T while dP^T is still in flight.
