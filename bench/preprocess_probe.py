@@ -8,11 +8,9 @@ the 4-warp ones at block_m 64 / 128 (the backward takes its block_m from the for
 """
 
 import torch
-import triton
 from triton.testing import do_bench
 
-from flashtile.kernels.backward import attn_bwd_preprocess_kernel
-from flashtile.kernels.launch import _bh_strides, _bsh_strides, row_stats_buffers
+from flashtile.kernels.launch import launch_preprocess, row_stats_buffers
 
 
 def main():
@@ -32,10 +30,7 @@ def main():
                         continue
 
                     def run():
-                        attn_bwd_preprocess_kernel[(triton.cdiv(s, block_m), h, b)](
-                            out, dout, lse, delta, lse_log2, *_bsh_strides(out), *_bsh_strides(dout),
-                            *_bh_strides(lse), *_bh_strides(delta), None, None, h, s,
-                            HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, IS_VARLEN=False, num_warps=warps)
+                        launch_preprocess(out, dout, lse, delta, lse_log2, block_m=block_m, num_warps=warps)
 
                     delta.fill_(float("nan"))
                     run()

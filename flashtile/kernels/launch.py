@@ -353,7 +353,7 @@ def gluon_head_chunks(batch: int, seqlen_q: int, nheads: int, nheads_k: int, hea
 
 
 def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None,
-                      block_m: int = 64) -> None:
+                      block_m: int = 64, num_warps: int = 4) -> None:
     """delta <- rowsum(dout * out), lse_log2 <- lse * log2(e) (+inf for rows without keys)."""
     batch, max_seqlen_q, _ = _grid_lengths(out, out, seqs)
     nheads, head_dim = out.shape[2], out.shape[3]
@@ -363,6 +363,7 @@ def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs
         *_bsh_strides(out), *_bsh_strides(dout), *_bh_strides(lse), *_bh_strides(delta),
         args["CuSeqlensQ"], args["SeqUsedQ"], nheads, out.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, IS_VARLEN=args["IS_VARLEN"],
+        num_warps=num_warps,
     )
 
 
