@@ -1,5 +1,6 @@
-"""GPU time of each launch of the Hopper backward, per kernel: the preprocess (delta, lse_log2),
-the dQ accumulator's zeroing, the Gluon kernel and the dQ convert. Shows what share of a short
+"""GPU time of each launch of the Hopper backward as the library runs it (launch.attention_backward),
+per kernel: the preprocess (delta, lse_log2; it also zeroes the dQ accumulator), the Gluon kernel and
+the dQ convert. Shows what share of a short
 backward is spent outside the main kernel (the three small launches move whole tensors at memory
 speed, so their time does not shrink with the sequence length as the main kernel's does).
 
@@ -46,8 +47,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     gluon_bwd_probe._imports()
-    from flashtile.configs import BWD_GLUON, table_config
-    from flashtile.kernels import gluon_backward
+    from flashtile.kernels.launch import ScoreParams, attention_backward
 
     rows = []
     for point in args.points.split(","):
@@ -55,14 +55,12 @@ def main():
         causal = bool(causal)
         b, h, q, k, v, dout = timing_inputs(d, s, causal)
         scale = 1.0 / math.sqrt(d)
-        _, _, lse_log2, delta, preprocess = forward_and_preprocess(q, k, v, dout, scale, causal)
-        cfg = table_config(BWD_GLUON, "sm90", d, causal=causal, seqlen_k=s)
+        out, lse, _, _, _ = forward_and_preprocess(q, k, v, dout, scale, causal)
+        params = ScoreParams(softmax_scale=scale, window_right=0 if causal else -1)
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        launch = gluon_backward.make_launcher(q, k, v, dout, lse_log2, delta, *grads, scale, causal, cfg)
 
         def step():
-            preprocess()
-            launch()
+            attention_backward(q, k, v, out, dout, lse, *grads, params)
         for _ in range(5):  # compile, warm up
             step()
         torch.cuda.synchronize()

@@ -2,9 +2,9 @@
 
 Every kernel launch takes its tile sizes, warps and pipeline depth from a config
 object (:class:`KernelConfig` for the portable Triton kernels, :class:`GluonFwdConfig`
-for the Hopper forward); the tables below say which config serves which
-(architecture, kernel, head dim, causal, seqlen range, dtype). Nothing in the launch code
-hard-codes a tile size.
+for the Hopper forward, :class:`RowBlockConfig` for the backward preprocess); the tables
+below say which config serves which (architecture, kernel, head dim, causal, seqlen range,
+dtype). Nothing in the launch code hard-codes a tile size.
 """
 
 import contextlib
@@ -37,6 +37,14 @@ class KernelConfig:
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclass(frozen=True)
+class RowBlockConfig:
+    """A kernel that streams rows (the backward preprocess): block_m rows per program."""
+
+    block_m: int
+    num_warps: int = 4
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ class GluonBwdConfig:
         return self.block_m == 128
 
 
-Config = Union[KernelConfig, GluonFwdConfig, GluonBwdConfig]
+Config = Union[KernelConfig, RowBlockConfig, GluonFwdConfig, GluonBwdConfig]
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,10 @@ BWD_DKDV = "bwd_dkdv"  # backward, dK/dV: one program per (key block, kv head, b
 BWD_DQ = "bwd_dq"    # backward, dQ: one program per (query block, head, batch)
 FWD_GLUON = "fwd_gluon"  # Hopper forward: warp-specialized Gluon kernel (sm90, fp16/bf16)
 BWD_GLUON = "bwd_gluon"  # Hopper backward: dK/dV and (atomically) dQ in one Gluon kernel
-KERNELS = (FWD, FWD_DECODE, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_GLUON)
+# Backward preprocess: delta = rowsum(dO * O), lse in log2 units (and the Gluon backward's dQ
+# accumulator zeroed); a memory-bound pass over rows.
+BWD_PREPROCESS = "bwd_preprocess"
+KERNELS = (FWD, FWD_DECODE, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_GLUON, BWD_PREPROCESS)
 
 # A packed forward whose sequences have at most this many query rows (a decoding step: one token,
 # or the query heads of a GQA group as rows) takes the FWD_DECODE config. Its work is streaming K
@@ -148,6 +159,7 @@ _INTERPRETER = {
     BWD_DQ: KernelConfig(32, 32),
     FWD_GLUON: None,
     BWD_GLUON: None,
+    BWD_PREPROCESS: RowBlockConfig(32),
 }
 
 # Portable GPU defaults, keyed by the padded head dim (upper bound). Chosen to fit
@@ -174,6 +186,7 @@ _DEFAULT_GPU = {
     ],
     FWD_GLUON: [],  # Hopper only
     BWD_GLUON: [],
+    BWD_PREPROCESS: [Rule(256, RowBlockConfig(64))],
 }
 
 # Measured per architecture: {arch: {kernel: [Rule, ...]}}.
@@ -235,6 +248,10 @@ _TUNED: dict = {
             Rule(128, KernelConfig(64, 32, num_warps=4, num_stages=3)),
             Rule(256, KernelConfig(128, 32, num_warps=8, num_stages=2)),
         ],
+        # bench/preprocess_probe.py (bench/results/2026-11-21-h200-preprocess/): 32-row blocks are
+        # within 1 us of the best (block_m, num_warps) at every head dim, 1k and 16k; the forward's
+        # 128-row tiles, taken before, cost up to 4 us more (d256: 9 us without the fused zeroing).
+        BWD_PREPROCESS: [Rule(256, RowBlockConfig(32))],
     },
 }
 

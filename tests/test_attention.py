@@ -6,7 +6,8 @@ import torch
 
 from flashtile import flash_attn_func
 
-from _cases import BATCH, DTYPES, HEAD_DIMS, MASKS, NHEADS, ON_GPU, SEQLENS, check_against_reference, make_qkv
+from _cases import (BATCH, DEVICE, DTYPES, HEAD_DIMS, MASKS, NHEADS, ON_GPU, SEQLENS, check_against_reference,
+                    make_qkv, randn)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,6 +102,34 @@ def test_gluon_head_chunks_cover_whole_kv_groups():
     gqa = gluon_head_chunks(1, 65536, 32, 8, 128)  # groups of 4 query heads: one KV head per chunk
     assert gqa == [(4 * h, 4 * h + 4, h, h + 1) for h in range(8)]
     assert gluon_head_chunks(1, 131072, 64, 1, 128) == [(0, 64, 0, 1)]  # MQA cannot be split
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_preprocess_zeroes_the_dq_accumulator(packed):
+    """The backward preprocess (delta, lse in log2 units) zeroes the Gluon backward's float32 dQ
+    accumulator in the same pass: every row of every sequence, in a poisoned buffer, head-strided
+    like a head chunk; delta and lse_log2 come out as without it."""
+    from flashtile.kernels.launch import PackedSeqs, launch_preprocess, row_stats_buffers
+
+    lens = [37, 1, 90]
+    batch, seqlen, nheads, head_dim = (1, sum(lens), 3, 40) if packed else (2, 113, 3, 40)
+    out, dout = (randn(batch, seqlen, nheads, head_dim, dtype=torch.float16) for _ in range(2))
+    lse = randn(batch, nheads, seqlen, dtype=torch.float32)
+    seqs = None
+    if packed:
+        cu = torch.tensor([0, 37, 38, 128], dtype=torch.int32, device=DEVICE)
+        seqs = PackedSeqs(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=90, max_seqlen_k=90)
+    # A head slice of a wider buffer: the kernel must follow its strides.
+    wide = torch.full((batch, seqlen, nheads + 2, head_dim), float("nan"), device=DEVICE)
+    acc = wide[:, :, 1:1 + nheads]
+    expected = [t.clone() for t in row_stats_buffers(lse)]
+    launch_preprocess(out, dout, lse, *expected, seqs)
+    delta, lse_log2 = row_stats_buffers(lse)
+    launch_preprocess(out, dout, lse, delta, lse_log2, seqs, zero=acc)
+    assert torch.equal(acc, torch.zeros_like(acc))
+    assert wide[:, :, 0].isnan().all() and wide[:, :, -1].isnan().all()
+    torch.testing.assert_close(delta, expected[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse_log2, expected[1], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon backward runs on sm90 only")

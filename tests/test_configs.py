@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func
-from flashtile.configs import _TUNED, BWD_DKDV, BWD_DQ, BWD_GLUON, FWD, FWD_GLUON, KernelConfig, override
+from flashtile.configs import (_TUNED, BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_GLUON, KernelConfig,
+                               override)
 from flashtile.runtime import portable_only
 
 from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv
@@ -19,7 +20,7 @@ if ON_GPU:
                    C(128, 128, 8, 2)]
     for tables in _TUNED.values():
         for kernel, rules in tables.items():
-            if kernel not in (FWD_GLUON, BWD_GLUON):
+            if kernel not in (FWD_GLUON, BWD_GLUON, BWD_PREPROCESS):
                 ASYMMETRIC += [rule.config for rule in rules if rule.config not in ASYMMETRIC]
 
 # The Hopper Gluon kernels: every config of the sm90 table plus the probes' alternatives,

@@ -26,11 +26,15 @@ def attn_bwd_preprocess_kernel(
     stride_lse_b, stride_lse_h,
     stride_delta_b, stride_delta_h,
     CuSeqlensQ, SeqUsedQ,
+    ZeroRows, stride_zero_b, stride_zero_s, stride_zero_h,
     nheads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Delta, LseLog2: float32 with (batch, head) strides stride_delta_*, rows contiguous;
-    laid out like lse (a row of a packed sequence starts at its q_start)."""
+    laid out like lse (a row of a packed sequence starts at its q_start).
+    ZeroRows: None, or a float32 (b, sq, h, d) buffer (the Gluon backward's dQ accumulator) whose
+    rows this pass zeroes: its writes ride along with the reads of out and dout, instead of a
+    memset of its own."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -52,6 +56,10 @@ def attn_bwd_preprocess_kernel(
     row_ids = b.to(tl.int64) * stride_delta_b + h.to(tl.int64) * stride_delta_h + q_start + rows
     tl.store(Delta + row_ids, delta, mask=rows < seqlen_q)
     tl.store(LseLog2 + row_ids, lse_log2, mask=rows < seqlen_q)
+    if ZeroRows is not None:
+        zero_base = ZeroRows + b.to(tl.int64) * stride_zero_b + q_start * stride_zero_s + h.to(tl.int64) * stride_zero_h
+        store_tile(zero_base, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), rows, offs_d, stride_zero_s, seqlen_q,
+                   HEAD_DIM, BLOCK_D)
 
 
 @triton.jit

@@ -1041,12 +1041,19 @@ def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
     return descs, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m, **extra}
 
 
+def dq_accumulator(q) -> torch.Tensor:
+    """An (uninitialized) float32 dQ accumulator for make_launcher's dq_acc: shaped like q, contiguous."""
+    return torch.empty(q.shape, device=q.device, dtype=torch.float32)
+
+
 def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config, *,
-                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k=None):
+                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k=None, dq_acc=None):
     """A zero-argument launch with the TMA descriptors and the dQ accumulator built once (timing
     without host overhead). Each launch zeroes the accumulator, runs the kernel and the convert;
     it returns the compiled Gluon kernel (the probe reads its register/spill counts). Arguments as
-    gluon_attention_backward's."""
+    gluon_attention_backward's. dq_acc (from dq_accumulator(q)): the caller zeroes it before each
+    launch (the backward preprocess does, in the pass that reads out and dout: launch_preprocess's
+    zero), and the launch does not; by default the launch allocates and zeroes its own."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     cfg = config
@@ -1088,7 +1095,11 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
         dk = torch.empty(dk.shape, device=dk.device, dtype=dk.dtype)
     if not tma_aligned(dv):
         dv = torch.empty(dv.shape, device=dv.device, dtype=dv.dtype)
-    dq_acc = torch.empty((batch, seqlen_q, nheads, head_dim), device=q.device, dtype=torch.float32)
+    zero_dq_acc = dq_acc is None
+    if zero_dq_acc:
+        dq_acc = dq_accumulator(q)
+    else:
+        assert dq_acc.shape == q.shape and dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
     descs, kernel_fn, block_n, extra = _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg)
     if varlen:
         # lse / delta are read with plain loads (a sequence's rows start at any offset); dK / dV of a
@@ -1110,7 +1121,8 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
         grid = None
 
     def launch():
-        dq_acc.zero_()
+        if zero_dq_acc:
+            dq_acc.zero_()
         kernel = None
         if grid is not None:
             kernel = kernel_fn[grid](
