@@ -249,8 +249,8 @@ _TUNED: dict = {
             Rule(256, KernelConfig(128, 32, num_warps=8, num_stages=2)),
         ],
         # bench/preprocess_probe.py (bench/results/2026-11-21-h200-preprocess/): 32-row blocks are
-        # within 1 us of the best (block_m, num_warps) at every head dim, 1k and 16k; the forward's
-        # 128-row tiles, taken before, cost up to 4 us more (d256: 9 us without the fused zeroing).
+        # within 2 us of the best (block_m, num_warps) at every head dim, 1k and 16k; the forward's
+        # block_m, taken before, cost up to 4 us more.
         BWD_PREPROCESS: [Rule(256, RowBlockConfig(32))],
     },
 }
