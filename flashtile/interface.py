@@ -4,8 +4,9 @@ Each entry point checks its arguments (in Python, so under ``torch.compile`` the
 at trace time), folds the options into the kernels' scalars and calls the custom operators of
 :mod:`flashtile.ops` (through ops.dense_attention / ops.varlen_attention: the ops themselves
 while torch.compile traces, the same functions in a plain autograd.Function in eager mode, which
-costs less host time per call). Either way the backward kernels run from the same formula. Packed variants hand the packed tensor itself to the op, which
-takes views of it and writes one packed gradient: no copies on either side.
+costs less host time per call). Either way the backward kernels run from the same formula.
+Packed variants hand the packed tensor itself to the op, which takes views of it and writes one
+packed gradient: no copies on either side.
 """
 
 import math

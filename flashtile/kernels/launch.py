@@ -418,9 +418,10 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
                 # kernel, so that the preprocess, backward and dQ-convert kernels go out back to back:
                 # done between them, it left the GPU idle after the short preprocess. The preprocess
                 # zeroes the accumulator as it goes (a memset of its own cost 29 us per 16k tokens at
-                # hidden 2048), except for rows past seqused_q, which it does not visit.
-                fused_zero = seqs is None or seqs.seqused_q is None
-                dq_acc = dq_accumulator(q_c) if fused_zero else None
+                # hidden 2048); it visits every row the backward adds into (gluon_config keeps packed
+                # batches with seqused_q, whose unused rows it would skip, off this kernel).
+                assert seqs is None or seqs.seqused_q is None
+                dq_acc = dq_accumulator(q_c)
                 launch = gluon_backward_launcher(q_c, k_c, v_c, dout_c, lse_log2, delta, dq_c, dk_c, dv_c,
                                                  params.softmax_scale, params.causal, cfg, dq_acc=dq_acc, **varlen)
                 launch_preprocess(out_c, dout_c, lse_c, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
