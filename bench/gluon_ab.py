@@ -16,6 +16,7 @@ TFLOP/s, writes gluon_ab_<mode>.json. The baseline copies are scratch files: do 
 """
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -40,6 +41,11 @@ VARIANTS = {
     "c2pp": GluonFwdConfig(128, 3, pingpong=True),
     "c3": C3,
     "c3_persist": C3_PERSIST,
+    # Row sums on the tensor cores (GluonFwdConfig.row_sum_mma).
+    "c2pp_persist_rs": dataclasses.replace(C2_PP_PERSIST, row_sum_mma=True),
+    "c3_rs": dataclasses.replace(C3, row_sum_mma=True),
+    "c3pp_rs": dataclasses.replace(C3, pingpong=True, row_sum_mma=True),
+    "c2n64pp_persist_rs": GluonFwdConfig(64, 4, pingpong=True, persistent=True, row_sum_mma=True),
     "d128_plain": GluonFwdConfig(128, 2),
     "d128_persist": GluonFwdConfig(128, 2, persistent=True),
     "d128_pp": GluonFwdConfig(128, 2, pingpong=True),
@@ -84,7 +90,7 @@ def check(spec, d, module, cfg):
             scale = 1.0 / math.sqrt(d)
             module.gluon_attention_forward(q, k, v, out, lse, scale, causal, config=cfg)
             ref_out, ref_lse = reference(q, k, v, scale, causal)
-            ok, rel, lse_err, _ = compare(out, lse, ref_out, ref_lse, dtype)
+            ok, rel, lse_err, _ = compare(out, lse, ref_out, ref_lse, dtype, cfg.row_sum_mma)
             if not ok:
                 log(f"FAIL {spec} d{d} {cname} {dtype}: rel {rel:.2e} lse {lse_err:.2e}")
             ok_all &= ok

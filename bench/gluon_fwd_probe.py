@@ -79,7 +79,16 @@ def make_case(b, sq, sk, h, hk, d, dtype, layout="plain"):
     return q, k, v, out, lse
 
 
-def compare(out, lse, ref_out, ref_lse, dtype):
+def lse_tolerance(dtype, row_sum_mma=False):
+    """Largest lse error allowed. Row sums in float32 put lse within ~1e-6 (1e-3 is generous);
+    on the tensor cores (GluonFwdConfig.row_sum_mma) l sums P rounded to the input dtype, up to
+    2^-8 (bf16) / 2^-11 (fp16) relative, which lse carries as an absolute error."""
+    if row_sum_mma and dtype == torch.bfloat16:
+        return 4e-3
+    return 1e-3
+
+
+def compare(out, lse, ref_out, ref_lse, dtype, row_sum_mma=False):
     out_f = out.float()
     finite_out = bool(torch.isfinite(out_f).all())
     ref_norm = ref_out.norm().item()
@@ -90,7 +99,7 @@ def compare(out, lse, ref_out, ref_lse, dtype):
     if torch.isnan(lse).any():
         lse_err = float("inf")
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
-    ok = finite_out and rel < tol and inf_match and lse_err < 1e-3
+    ok = finite_out and rel < tol and inf_match and lse_err < lse_tolerance(dtype, row_sum_mma)
     return ok, rel, lse_err, inf_match
 
 
@@ -146,7 +155,7 @@ def check_config(d, name, cfg, cases, dtypes, results):
                 gf.gluon_attention_forward(q, k, v, out, lse, sc, causal, config=cfg)
                 torch.cuda.synchronize()
                 ref_out, ref_lse = reference(q, k, v, sc, causal)
-                ok, rel, lse_err, inf_match = compare(out, lse, ref_out, ref_lse, dtype)
+                ok, rel, lse_err, inf_match = compare(out, lse, ref_out, ref_lse, dtype, cfg.row_sum_mma)
                 rec.update(status="PASS" if ok else "FAIL", rel_err=rel, lse_max_abs_err=lse_err, lse_inf_match=inf_match)
                 log(f"{tag} rel={rel:.2e} lse_err={lse_err:.2e} inf_match={inf_match} {'PASS' if ok else 'FAIL'}")
                 all_ok &= ok

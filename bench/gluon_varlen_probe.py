@@ -151,7 +151,8 @@ def check_varlen(d, cfg_name, cfg, cases, causals, results, dtypes_override=None
                     torch.cuda.synchronize()
                     nq = sum(lens_q)
                     ref_out, ref_lse = varlen_reference(q, k, v, lens_q, lens_k, used_q, used_k, scale, causal)
-                    ok, rel, lse_err, inf_match = compare(out[:nq], lse[:, :nq], ref_out[:nq], ref_lse[:, :nq], dtype)
+                    ok, rel, lse_err, inf_match = compare(out[:nq], lse[:, :nq], ref_out[:nq], ref_lse[:, :nq],
+                                                          dtype, cfg.row_sum_mma)
                     guard_ok = bool(torch.isnan(out[nq:]).all()) and bool(torch.isnan(lse_buf[:, nq:]).all())
                     zero_ok = True
                     if used_q is not None:  # rows past seqused_q: exactly 0 / -inf

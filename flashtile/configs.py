@@ -60,6 +60,11 @@ class GluonFwdConfig:
     varlen calls take the one-CTA-per-tile grid): the next tile's Q and K/V load while a
     tile's last P V and output store run, which short sequences (few key blocks per tile)
     feel most. Costs a second Q-sized shared-memory buffer for staging O.
+    row_sum_mma: the tensor cores take the softmax's row sums (l += P 1 beside O += P V),
+    which frees issue slots where the softmax bounds the loop (head dim 64) and costs tensor
+    time where the matmuls do. l then sums the bf16 / fp16 P that P V multiplies, so lse
+    carries P's rounding: at most 4e-3 (bf16) / 5e-4 (fp16) off, against ~1e-6 otherwise
+    (a bf16 number's own rounding is 4e-3).
     """
 
     block_n: int
@@ -69,6 +74,7 @@ class GluonFwdConfig:
     loader_regs: int = 40
     pingpong: bool = False
     persistent: bool = False
+    row_sum_mma: bool = False
 
     @property
     def block_m(self) -> int:
@@ -189,6 +195,10 @@ _DEFAULT_GPU = {
     BWD_PREPROCESS: [Rule(256, RowBlockConfig(64))],
 }
 
+# The Hopper forward's best head-dim-64 config from 2k keys (dense) / 4k (packed) / 8k (causal).
+_D64_THREE_CONSUMERS = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24,
+                                      row_sum_mma=True)
+
 # Measured per architecture: {arch: {kernel: [Rule, ...]}}.
 # sm90 (H100/H200), measured on an H200 in bf16 at 16k tokens, hidden 2048:
 # - portable kernels: bench/tune_configs.py at seqlen 4096, the best geometric mean over
@@ -211,14 +221,13 @@ _TUNED: dict = {
             # Dense batches with short keys: persistent CTAs (the next tile loads under a tile's last
             # P V and output store); bench/gluon_fwd_probe.py at seqlen 1k-16k
             # (bench/results/2026-11-21-h200-persistent/). Packed batches keep the per-tile grid.
-            Rule(64, GluonFwdConfig(128, 3, pingpong=True, persistent=True), causal=False, max_seqlen_k=2048,
-                 varlen=False),
-            Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
-                 causal=False, min_seqlen_k=2048, varlen=False),
-            Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
-                 causal=False, min_seqlen_k=4096),
-            Rule(64, GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24),
-                 causal=True, min_seqlen_k=8192),
+            # Head dim 64 takes its row sums on the tensor cores: +2-5% full, up to +10% causal
+            # (bench/results/2026-11-21-h200-row-sum-mma/); they cost the tensor-bound d128 / d256 3-5%.
+            Rule(64, GluonFwdConfig(128, 3, pingpong=True, persistent=True, row_sum_mma=True), causal=False,
+                 max_seqlen_k=2048, varlen=False),
+            Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=2048, varlen=False),
+            Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=4096),
+            Rule(64, _D64_THREE_CONSUMERS, causal=True, min_seqlen_k=8192),
             Rule(64, None),
             # Head dims 96 and 192 (padded to 128 / 256) take these rules: they run the d128 / d256
             # kernels on tiles of the padded width (gluon_forward.HEAD_DIMS lists what it serves).

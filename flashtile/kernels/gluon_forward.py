@@ -68,6 +68,10 @@ CANDIDATES = {
         "c3_n128_s2_pp_persist": GluonFwdConfig(128, 2, 3, 160, 24, True, True),
         "c2_n64_s4_pp_persist": GluonFwdConfig(64, 4, 2, 240, 40, True, True),
         "c3_n64_s4_pp_persist": GluonFwdConfig(64, 4, 3, 160, 24, True, True),
+        # Row sums on the tensor cores (the table's choice at d64).
+        "c2_n128_s3_pp_persist_rs": GluonFwdConfig(128, 3, 2, 240, 40, True, True, True),
+        "c3_n128_s2_rs": GluonFwdConfig(128, 2, 3, 160, 24, False, False, True),
+        "c3_n128_s2_pp_rs": GluonFwdConfig(128, 2, 3, 160, 24, True, False, True),
     },
     128: {
         "c2_n128_s2": GluonFwdConfig(128, 2, 2, 240, 40, False),
@@ -280,9 +284,10 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 @gluon.jit
 def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                   s_layout: gl.constexpr):
+                   s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Online-softmax update for one score block. Returns (p, alpha, m_new, l_new); m is in
-    scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2."""
+    scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2. ROW_SUM_MMA: l is the
+    tensor cores' (see _consume) and comes back as it came."""
     if MASK:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(cols < seqlen_k, 0)
@@ -299,7 +304,10 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
         m_use = m_new
     p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if ROW_SUM_MMA:
+        l_new = l_i
+    else:
+        l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
 
 
@@ -322,13 +330,14 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
 
 
 @gluon.jit
-def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
-                      acc, p_op, m_i, l_i, j_start, j_end, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
-                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      s_layout: gl.constexpr, p_layout: gl.constexpr, SKIP_LAST_CHUNK: gl.constexpr):
-    """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, run the
-    softmax of S_j while the PV wgmma is in flight. SKIP_LAST_CHUNK: see _scores_skipping_zero_chunk.
+def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn,
+                      other_turn, acc, p_op, m_i, l_i, j_start, j_end, kv0, turn0, rows, seqlen_k, diag,
+                      qk_scale_log2, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+                      p_layout: gl.constexpr, SKIP_LAST_CHUNK: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+    """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together (and
+    l += P_{j-1} 1 with ROW_SUM_MMA), run the softmax of S_j while the PV wgmma is in flight.
+    SKIP_LAST_CHUNK: see _scores_skipping_zero_chunk.
     kv0: the ring position of block 0 (K/V blocks consumed by earlier tiles of a persistent CTA);
     turn0: the ping-pong issue points of those tiles."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -351,18 +360,24 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_
         else:
             s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+        if ROW_SUM_MMA:
+            l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
 
-        # wgmma groups retire in order: one outstanding means S_j is done, PV may still run.
+        # wgmma groups retire in order: with the P V (and P 1) groups outstanding, S_j is done.
         if SKIP_LAST_CHUNK:
-            s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, q_buf, k_smem])
+            s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_buf, k_smem])
         else:
-            s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, q_op, k_t])
+            s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(stage))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                            BLOCK_N, MASK, CAUSAL, s_layout)
-        acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_prev])
+                                            BLOCK_N, MASK, CAUSAL, s_layout, ROW_SUM_MMA)
+        if ROW_SUM_MMA:
+            acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
+            l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
+        else:
+            acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_prev])
         mbarrier.arrive(v_empty.index(prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
@@ -370,13 +385,13 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-             lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
+def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
+             turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, kv0, turn0, q_phase,
              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
-             HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+             HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """One 64-row slice of a tile. kv0 / turn0 / q_phase: the K/V ring position, ping-pong issue
     points and tiles (mod 2) of the tiles a persistent CTA ran before this one (0 otherwise).
     A persistent CTA hands Q back to the loader after the tile's last S and stages O in o_smem, so
@@ -395,6 +410,18 @@ def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty,
     # accumulator layout, so the conversion moves no data.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # ROW_SUM_MMA: the tensor cores take P's row sums, l += P 1 with a (BLOCK_N, 8) block of ones
+    # issued after O += P V and rescaled with it. l is then a (64, 8) wgmma accumulator whose
+    # columns all hold the sums (else a (64,) vector). It saves the softmax 64 adds and 4 shuffles
+    # per block and thread (the d64 loop is bound by issue slots), and sums the bf16 / fp16 P that
+    # P V multiplies: O's numerator and denominator round alike, and lse carries P's rounding
+    # (at most 2^-8 relative in l for bf16, 2^-11 for fp16: 4e-3 / 5e-4 in lse).
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 8, 16])
+    if ROW_SUM_MMA:
+        ones_t = ones_smem.permute([1, 0])
+    else:
+        ones_t = ones_smem
 
     my_start = start_m + CONSUMER * 64
     rows = my_start + gl.arange(0, 64, layout=row_layout)
@@ -409,7 +436,10 @@ def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty,
     mbarrier.wait(q_ready.index(CONSUMER), q_phase)
 
     m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([64], gl.float32, row_layout)
+    if ROW_SUM_MMA:
+        l_i = gl.zeros([64, 8], gl.float32, l_layout)
+    else:
+        l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
     if n_total > 0:
@@ -433,19 +463,19 @@ def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty,
             s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(stage0))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2,
-                                            BLOCK_N, True, CAUSAL, s_layout)
+                                            BLOCK_N, True, CAUSAL, s_layout, ROW_SUM_MMA)
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
 
         # Mask-free blocks, then the blocks on the diagonal / ragged end.
         split = gl.maximum(n_unmasked, 1)
         acc, p_op, m_i, l_i = _pipelined_blocks(
-            q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
-            1, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK)
+            q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
+            m_i, l_i, 1, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
+            BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK, ROW_SUM_MMA)
         acc, p_op, m_i, l_i = _pipelined_blocks(
-            q_op, q_buf, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op, m_i, l_i,
-            split, n_total, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK)
+            q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
+            m_i, l_i, split, n_total, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
+            BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK, ROW_SUM_MMA)
 
         if PERSISTENT:
             mbarrier.arrive(q_empty.index(CONSUMER))  # every S of the tile has retired
@@ -459,12 +489,19 @@ def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty,
         if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + n_total) & 1)
         o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
+        if ROW_SUM_MMA:
+            l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
-        acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_last])
+        if ROW_SUM_MMA:
+            acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_last])
+        else:
+            acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_last])
         mbarrier.arrive(v_empty.index(stage))
     elif PERSISTENT:
         mbarrier.arrive(q_empty.index(CONSUMER))
+    if ROW_SUM_MMA:
+        l_i = gl.convert_layout(gl.max(l_i, axis=1), row_layout)
 
     # A row that saw no key (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0
@@ -528,12 +565,13 @@ def _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn, o_desc,
-              lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q, cu_seqlens_k,
-              seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
+def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
+              turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
+              cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
               CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+              IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
+              ROW_SUM_MMA: gl.constexpr):
     if PERSISTENT:
         kv0 = 0
         turn0 = 0
@@ -543,11 +581,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
                 n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-                _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
-                         turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_unmasked, n_total,
                          kv0, turn0, tile_iter & 1, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
-                         False, False, HEAD_DIM_TRUE, True)
+                         False, False, HEAD_DIM_TRUE, True, ROW_SUM_MMA)
                 kv0 += n_total
                 # A tile with key blocks has n_total + 1 issue points (S_0, then S_j with
                 # P_{j-1} V_{j-1}, then the last P V).
@@ -562,17 +600,17 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty
                                           seqused_q is not None)
         if IS_VARLEN:
             if valid:
-                _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
-                         turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked,
                          n_total, 0, 0, 0, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         seqused_q is not None, HEAD_DIM_TRUE, False)
+                         seqused_q is not None, HEAD_DIM_TRUE, False, ROW_SUM_MMA)
         else:
-            _consume(q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                     o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
+            _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
+                     turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, 0, 0, 0,
                      CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE,
-                     False)
+                     False, ROW_SUM_MMA)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,12 +632,21 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                           PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr):
+                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
+                          ROW_SUM_MMA: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if ROW_SUM_MMA:
+        # The B operand of the row-sum wgmma (l += P 1), K-major like K's tiles.
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
+        fill_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
+        ones_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N], ones_layout,
+                                              gl.full([8, BLOCK_N], 1.0, dtype, fill_layout))
+    else:
+        ones_smem = q_smem  # unused (warp_specialize's arguments cannot be None)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
@@ -635,16 +682,16 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     # constexprs into runtime scalars. Each consumer gets its index as a literal (a constexpr).
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                         qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                         PERSISTENT)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                         qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                         PERSISTENT)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
+                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
+                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
@@ -652,21 +699,21 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                         qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                         PERSISTENT)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                         qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                         PERSISTENT)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-                         cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-                         qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE,
-                         PERSISTENT)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
+                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
+                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
+                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
@@ -768,6 +815,7 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
             BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
             CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
             CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
+            ROW_SUM_MMA=cfg.row_sum_mma,
             num_warps=4,
         )
     return launch
