@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func
-from flashtile.configs import (_TUNED, BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_GLUON, KernelConfig,
-                               override)
+from flashtile.configs import (_TUNED, BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_GLUON, GluonFwdConfig,
+                               KernelConfig, override)
 from flashtile.runtime import portable_only
+from flashtile.testing import check_errors, reference_errors
 
 from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv
 
@@ -70,6 +71,29 @@ def test_gluon_config(kernel, causal, seqlen_q, seqlen_k, nheads_k, index):
     with override(**{kernel: config}):
         assert gluon_config(kernel, q, k, v, ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1))
         check_against_reference(flash_attn_func, q, k, v, causal=causal, backward=kernel == BWD_GLUON)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run on sm90 only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("row_sum_mma", [False, True])
+def test_gluon_forward_lse_accuracy(dtype, row_sum_mma):
+    """lse as accurate as GluonFwdConfig.row_sum_mma says: float32 row sums put it within 1e-5
+    of float64; row sums on the tensor cores add P rounded to the input dtype, which moves lse by
+    at most 2^-8 (bf16) / 2^-11 (fp16). Causal: its top rows, with few keys, are the worst case."""
+    from flashtile.kernels.launch import ScoreParams, gluon_config
+
+    config = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24, row_sum_mma=row_sum_mma)
+    q, k, v = make_qkv(2, 1000, 1000, 4, 4, 64, dtype, requires_grad=False)
+    with override(**{FWD_GLUON: config}):
+        assert gluon_config(FWD_GLUON, q, k, v, ScoreParams(softmax_scale=0.125, window_right=0))
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    errors, ref_lse = reference_errors(q, k, v, out, causal=True)
+    check_errors(errors, dtype)
+    lse_error = (lse.double() - ref_lse).abs().max().item()
+    bound = 1e-5
+    if row_sum_mma:
+        bound += 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert lse_error <= bound, f"lse off by {lse_error:.2e}, documented bound {bound:.2e}"
 
 
 PERSISTENT_FWD = [(d, cfg) for d, cfg in GLUON_FWD if cfg.persistent]
