@@ -221,8 +221,8 @@ _TUNED: dict = {
             # Dense batches with short keys: persistent CTAs (the next tile loads under a tile's last
             # P V and output store); bench/gluon_fwd_probe.py at seqlen 1k-16k
             # (bench/results/2026-11-21-h200-persistent/). Packed batches keep the per-tile grid.
-            # Head dim 64 takes its row sums on the tensor cores: +2-5% full, up to +10% causal
-            # (bench/results/2026-11-21-h200-row-sum-mma/); they cost the tensor-bound d128 / d256 3-5%.
+            # Head dim 64 takes its row sums on the tensor cores: +1-3% full, +4-10% causal
+            # (bench/results/2026-11-21-h200-row-sum-mma/); they cost the tensor-bound d128 / d256 2-6%.
             Rule(64, GluonFwdConfig(128, 3, pingpong=True, persistent=True, row_sum_mma=True), causal=False,
                  max_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=2048, varlen=False),
