@@ -312,6 +312,21 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
 
 
 @gluon.jit
+def _probabilities_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """P rounded to dtype as the register A operand of P V. The conversion packs each pair of
+    neighbouring columns into one register in the order wgmma reads them (low half first); with
+    p.to(dtype), ptxas packed them the other way round and spent a PRMT per register swapping
+    the halves back before every P V."""
+    if dtype == gl.bfloat16:
+        packed = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                           is_pure=True, pack=2)
+    else:
+        packed = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                           is_pure=True, pack=2)
+    return gl.convert_layout(packed, p_layout)
+
+
+@gluon.jit
 def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
     """S = Q K^T over the first 192 columns of 256-wide Q, K tiles (q_buf, k_buf: the (1, rows, 1, 256)
     TMA tiles) whose last 64 columns are TMA zero fill (head dims 136..192): one wgmma over columns
@@ -380,7 +395,7 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
             acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_prev])
         mbarrier.arrive(v_empty.index(prev))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        p_op = _probabilities_operand(p, v_smem.dtype, p_layout)
     return acc, p_op, m_i, l_i
 
 
@@ -464,7 +479,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         mbarrier.arrive(k_empty.index(stage0))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2,
                                             BLOCK_N, True, CAUSAL, s_layout, ROW_SUM_MMA)
-        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        p_op = _probabilities_operand(p, v_smem.dtype, p_layout)
 
         # Mask-free blocks, then the blocks on the diagonal / ragged end.
         split = gl.maximum(n_unmasked, 1)
