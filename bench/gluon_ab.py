@@ -44,6 +44,7 @@ VARIANTS = {
     # Row sums on the tensor cores (GluonFwdConfig.row_sum_mma).
     "c2pp_persist_rs": dataclasses.replace(C2_PP_PERSIST, row_sum_mma=True),
     "c3_rs": dataclasses.replace(C3, row_sum_mma=True),
+    "c3_persist_rs": dataclasses.replace(C3_PERSIST, row_sum_mma=True),
     "c3pp_rs": dataclasses.replace(C3, pingpong=True, row_sum_mma=True),
     "c2n64pp_persist_rs": GluonFwdConfig(64, 4, pingpong=True, persistent=True, row_sum_mma=True),
     "d128_plain": GluonFwdConfig(128, 2),
