@@ -143,6 +143,37 @@ def _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK
 
 
 # ----------------------------------------------------------------------------------------------
+# Masking of the transposed scores S^T (keys x query columns), shared by every head dim.
+# ----------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _past_used_rows(row_values, start, seqlen_q, fill, BLOCK: gl.constexpr, col_layout: gl.constexpr):
+    """A per-query vector (lse or delta) of rows start + [0, BLOCK) with ``fill`` for rows past
+    seqlen_q, whose lse / delta come from row padding or a later head or sequence (anything, NaN
+    included). lse = +inf starts S^T at -inf there, so P^T = 0, and delta = 0 keeps dP^T - delta
+    finite, so dS^T = 0: the ragged query end is masked per column (BLOCK / 4 selects per thread),
+    not per score."""
+    offsets = gl.arange(0, BLOCK, layout=col_layout)
+    return gl.where(offsets < seqlen_q - start, row_values, fill)
+
+
+@gluon.jit
+def _mask_keys(x, keys, start, seqlen_k, diag, BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
+               col_layout: gl.constexpr):
+    """x = S^T (rows: keys; columns: queries start + [0, BLOCK)) with -inf where the key is past
+    seqlen_k or, when CAUSAL, after the query's diagonal (key <= query + diag visible). One compare
+    per score: the column's offset (a constant per thread) against its key row's first visible
+    column offset. (Comparing absolute indices against every bound per score cost the d64 loop
+    2.4x its unmasked instructions: ptxas kept the predicates in packed registers.)"""
+    offsets = gl.arange(0, BLOCK, layout=col_layout)
+    first = gl.where(keys < seqlen_k, 0, BLOCK)
+    if CAUSAL:
+        first = gl.maximum(first, keys - diag - start)
+    keep = gl.expand_dims(offsets, 0) >= gl.expand_dims(first, 1)
+    return gl.where(keep, x, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
 # Loader partition: K, V once, then the Q/dO ring.
 # ----------------------------------------------------------------------------------------------
 
@@ -360,6 +391,9 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         # issue back to back.
         lse = lse_smem.index(slot).load(col_layout)
         delta = delta_smem.index(slot).load(col_layout)
+        if MASK:
+            lse = _past_used_rows(lse, start_m, seqlen_q, float("inf"), BLOCK_M, col_layout)
+            delta = _past_used_rows(delta, start_m, seqlen_q, 0.0, BLOCK_M, col_layout)
         s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
         dp_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
         s_tok = warpgroup_mma(k_mine, q_buf.permute([1, 0]), s_init, is_async=True)
@@ -369,20 +403,12 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_mine, q_buf])
         x = s * qk_scale_log2
         if MASK:
-            cols = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-            keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(cols < seqlen_q, 0)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + diag, 0))
-            x = gl.where(keep, x, float("-inf"))
+            x = _mask_keys(x, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout)
         p = gl.exp2(x)
         # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in
         # float32 dies before the dV/dK operands are materialised).
         dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_mine, do_buf])
         ds = p * dp_minus_delta
-        if MASK:
-            # Rows past seqlen_q read delta from row padding or later rows (anything, NaN
-            # included): P = 0 there is not enough, 0 * NaN is NaN.
-            ds = gl.where(keep, ds, 0.0)
         ds = ds.to(dtype)
         p_op = gl.convert_layout(p.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
@@ -685,6 +711,8 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         # before issuing dP^T.)
         # S^T starts at -lse in score units, as at d64/d128.
         lse = lse_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
+        if MASK:
+            lse = _past_used_rows(lse, start_m + CONSUMER * HALF_M, seqlen_q, float("inf"), HALF_M, col_layout)
         s_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
         for j in gl.static_range(NCHUNK_USED):
             s_tok = warpgroup_mma(k_chunks.index(j), q_tiles.index(2 * j + CONSUMER).permute([1, 0]), s_tok,
@@ -697,17 +725,13 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         s, _, _, _ = warpgroup_mma_wait(NCHUNK_USED, deps=[s_tok, k_chunks, q_tiles, q_smem])
         x = s * qk_scale_log2
         if MASK:
-            cols = start_m + CONSUMER * HALF_M + gl.arange(0, HALF_M, layout=col_layout)
-            keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(cols < seqlen_q, 0)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols + diag, 0))
-            x = gl.where(keep, x, float("-inf"))
+            x = _mask_keys(x, keys, start_m + CONSUMER * HALF_M, seqlen_k, diag, HALF_M, CAUSAL, col_layout)
         p = gl.exp2(x)
         dp, _, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_chunks, do_tiles, do_smem])
         delta = delta_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
-        ds = p * (dp - gl.expand_dims(delta, 0))
         if MASK:
-            ds = gl.where(keep, ds, 0.0)  # delta past seqlen_q may be anything (see _query_blocks)
+            delta = _past_used_rows(delta, start_m + CONSUMER * HALF_M, seqlen_q, 0.0, HALF_M, col_layout)
+        ds = p * (dp - gl.expand_dims(delta, 0))
 
         # Publish this warpgroup's columns of P^T and dS^T.
         ds_phase = (it // 2) & 1
