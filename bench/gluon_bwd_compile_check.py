@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_fwd_compile_check import compile_sm90  # noqa: E402
+from gluon_fwd_compile_check import Capture, compile_sm90  # noqa: E402
 
 from flashtile.configs import BWD_GLUON, table_config  # noqa: E402
 from flashtile.kernels import gluon_backward as gb  # noqa: E402
@@ -27,22 +27,10 @@ from flashtile.kernels.launch import row_stats_buffers  # noqa: E402
 _KERNELS = ("gluon_attn_bwd_kernel", "gluon_attn_bwd_d256_kernel")
 
 
-class _Capture:
-    """Stands in for a kernel: kernel[grid](*args, **kwargs) records the call."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __getitem__(self, grid):
-        def call(*args, **kwargs):
-            self.args, self.kwargs = args, kwargs
-        return call
-
-
 def captured_call(build):
     """(kernel, args, kwargs) of the Gluon kernel make_launcher's launch would start."""
     saved = {n: getattr(gb, n) for n in _KERNELS + ("gluon_bwd_dq_convert_kernel",)}
-    caps = {n: _Capture(n) for n in saved}
+    caps = {n: Capture(saved[n]) for n in saved}
     for n, c in caps.items():
         setattr(gb, n, c)
     try:

@@ -31,8 +31,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-class _Capture:
-    """Stands in for the kernel: kernel[grid](*args, **kwargs) records the call."""
+class Capture:
+    """Stands in for a kernel: kernel[grid](*args, **kwargs) records the call."""
+
+    def __init__(self, kernel):
+        self.fn = kernel.fn  # the Python function, whose signature CompiledCall reads
 
     def __getitem__(self, grid):
         def call(*args, **kwargs):
@@ -42,7 +45,8 @@ class _Capture:
 
 def captured_call(build):
     """(args, kwargs) that make_launcher's launch would pass to the kernel."""
-    kernel, cap = gf.gluon_attn_fwd_kernel, _Capture()
+    kernel = gf.gluon_attn_fwd_kernel
+    cap = Capture(kernel)
     gf.gluon_attn_fwd_kernel = cap
     try:
         build()()

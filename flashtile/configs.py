@@ -334,6 +334,11 @@ def overridden(kernel: str) -> bool:
     return kernel in _OVERRIDES
 
 
+def any_overridden() -> bool:
+    """Whether an :func:`override` block is active (launch plans are not used inside one)."""
+    return bool(_OVERRIDES)
+
+
 def get_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
                dtype: Optional[torch.dtype] = None, varlen: bool = False) -> Optional[Config]:
     """The config for ``kernel`` on ``arch`` ('sm90', 'interpreter', ...) for these shapes

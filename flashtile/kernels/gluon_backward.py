@@ -66,7 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper import gluon_descriptor, gluon_row_descriptor, qkv_supported, tma_aligned
+from .hopper import DescriptorTemplate, RowDescriptorTemplate, qkv_supported, tma_aligned
+from .plans import CompiledCall
 from ..configs import GluonBwdConfig, padded_head_dim
 
 LOG2E = 1.4426950408889634
@@ -83,7 +84,7 @@ _BN = gl.constexpr(BLOCK_N)
 
 # The tuned choice per head dim is in flashtile/configs.py (BWD_GLUON). d256 has its own kernel
 # (gluon_attn_bwd_d256_kernel): its warpgroups split the head dim, not the keys. Head dims 96 and
-# 192 run the d128 and d256 kernels with tiles of the padded width (see _kernel_args).
+# 192 run the d128 and d256 kernels with tiles of the padded width (see _descriptor_templates).
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # Alternatives the probe (bench/gluon_bwd_probe.py) times against the defaults.
@@ -1034,44 +1035,108 @@ def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax
                   max_seqlen_k=max_seqlen_k)()
 
 
-def _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg):
-    """(TMA descriptors in kernel order, kernel, keys per CTA, extra constexprs) for one head dim.
+def _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta, cfg):
+    """(TMA descriptor templates, kernel, keys per CTA, extra constexprs) for one head dim; the
+    templates are for q, dout, k, v, dk, dv, dq_acc, lse_log2, delta (kernel order).
     The loader's Q/dO/K/V boxes are whole rows of the head dim at every head dim. A head dim that is
     not a power of two (96, 192) runs the kernel of the next one with boxes of that width: TMA
     zero-fills the missing columns on loads (every product stays exact, the padded columns of dK,
     dV, dQ come out zero) and clips them on stores and reduce-adds."""
     head_dim = q.shape[-1]
     block_d = padded_head_dim(head_dim)
-    q_desc = gluon_descriptor(q, cfg.block_m, block_d)
-    do_desc = gluon_descriptor(dout, cfg.block_m, block_d)
-    k_desc = gluon_descriptor(k, KEYS_PER_CONSUMER, block_d)
-    v_desc = gluon_descriptor(v, KEYS_PER_CONSUMER, block_d)
+    loads = (DescriptorTemplate(q, cfg.block_m, block_d), DescriptorTemplate(dout, cfg.block_m, block_d),
+             DescriptorTemplate(k, KEYS_PER_CONSUMER, block_d), DescriptorTemplate(v, KEYS_PER_CONSUMER, block_d))
     # lse / delta: 1-D boxes over the flat arrays (no 16-byte row-stride condition on seqlen_q).
-    lse_desc = gluon_row_descriptor(lse_log2, cfg.block_m)
-    delta_desc = gluon_row_descriptor(delta, cfg.block_m)
+    rows = (RowDescriptorTemplate(lse_log2, cfg.block_m), RowDescriptorTemplate(delta, cfg.block_m))
     extra = {"HEAD_DIM_TRUE": head_dim}
     if block_d == 256:
         # Each warpgroup stores its half of the head dim of dK, dV (staged in its half of the K,
         # V tiles) and reduce-adds dQ in (block_m, 64) float32 tiles.
         half = block_d // NUM_CONSUMERS
-        dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER, half)
-        dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER, half)
-        dq_desc = gluon_descriptor(dq_acc, cfg.block_m, _DQ_N.value)
-        descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-        return descs, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap, **extra}
+        stores = (DescriptorTemplate(dk, KEYS_PER_CONSUMER, half), DescriptorTemplate(dv, KEYS_PER_CONSUMER, half),
+                  DescriptorTemplate(dq_acc, cfg.block_m, _DQ_N.value))
+        return loads + stores + rows, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap,
+                                                                                      **extra}
     dq_cols = block_d if cfg.dq_split_m else block_d // NUM_CONSUMERS
-    dk_desc = gluon_descriptor(dk, KEYS_PER_CONSUMER, block_d)
-    dv_desc = gluon_descriptor(dv, KEYS_PER_CONSUMER, block_d)
-    dq_desc = gluon_descriptor(dq_acc, KEYS_PER_CONSUMER, dq_cols)
+    stores = (DescriptorTemplate(dk, KEYS_PER_CONSUMER, block_d), DescriptorTemplate(dv, KEYS_PER_CONSUMER, block_d),
+              DescriptorTemplate(dq_acc, KEYS_PER_CONSUMER, dq_cols))
     # K/V staging doubles as the dK/dV store source: same box, same layout.
-    assert k_desc.layout == dk_desc.layout and v_desc.layout == dv_desc.layout
-    descs = (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc)
-    return descs, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m, **extra}
+    assert loads[2].layout == stores[0].layout and loads[3].layout == stores[1].layout
+    return loads + stores + rows, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m, **extra}
 
 
 def dq_accumulator(q) -> torch.Tensor:
     """An (uninitialized) float32 dQ accumulator for make_launcher's dq_acc: shaped like q, contiguous."""
     return torch.empty(q.shape, device=q.device, dtype=torch.float32)
+
+
+class BackwardPlan:
+    """The Gluon backward and its dQ convert for one call signature (kernels/plans.py): grids,
+    kernel arguments and descriptor layouts worked out once; each call builds the descriptors for
+    its tensors and launches both compiled kernels. Takes what make_launcher's launch runs on: dout,
+    dk, dv TMA-aligned (grads_supported), both sequence lengths > 0, dq_acc zeroed by the caller.
+    Later calls must match the first one's shapes, strides, dtypes and 16-byte alignment (the plan
+    key's job)."""
+
+    def __init__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, softmax_scale, causal, config, *,
+                 cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k):
+        batch, seqlen_q, nheads, head_dim = q.shape
+        seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        cfg = config
+        assert grads_supported(dout, dq, dk, dv)
+        self.varlen = varlen = cu_seqlens_q is not None
+        n_seqs = cu_seqlens_q.numel() - 1 if varlen else batch
+        self.templates, kernel_fn, block_n, extra = _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2,
+                                                                          delta, cfg)
+        descriptors = self.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
+        # Varlen: lse / delta are read with plain loads (a sequence's rows start at any offset); dK / dV of
+        # a sequence's ragged last key tile are stored from registers.
+        row_strides = (dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2)) if varlen else (None,) * 4
+        # Key blocks of one head are adjacent in launch order: concurrent CTAs stream the same query
+        # blocks (shared in L2) and reduce into the same dQ rows (L2-resident). Varlen: the third axis
+        # is the sequence, the first covers the longest one (programs past a sequence's keys exit).
+        grid = (triton.cdiv(max_seqlen_k, block_n), nheads_k, n_seqs)
+        self.main = None if grid[0] == 0 else CompiledCall(
+            kernel_fn, grid,
+            (*descriptors, seqlen_q, seqlen_k, nheads, nheads // nheads_k, padded_row_stride(seqlen_q),
+             softmax_scale * LOG2E, softmax_scale, None, None, None, None, None),
+            dict(dk_ptr=None, stride_dk_s=row_strides[0], stride_dk_h=row_strides[1], dv_ptr=None,
+                 stride_dv_s=row_strides[2], stride_dv_h=row_strides[3], BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
+                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal),
+                 IS_VARLEN=varlen, num_warps=4, **extra),
+            slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
+                   "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
+                   "dv_ptr"))
+        convert_block = 32
+        self.convert = CompiledCall(
+            gluon_bwd_dq_convert_kernel, (triton.cdiv(seqlen_q, convert_block), nheads, batch),
+            (dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale,
+             cu_seqlens_q[n_seqs:] if varlen else None),
+            dict(HEAD_DIM=head_dim, BLOCK_S=convert_block, BLOCK_D=padded_head_dim(head_dim), num_warps=4),
+            slots=("Acc", "DQ", "RowsEnd"))
+        self.n_seqs = n_seqs
+
+    def descriptors(self, *tensors) -> tuple:
+        """The kernel's TMA descriptors of q, dout, k, v, dk, dv, dq_acc, lse_log2, delta."""
+        return tuple(template(t) for template, t in zip(self.templates, tensors))
+
+    def launch(self, descriptors, dq, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q=None, cu_seqlens_k=None,
+               seqused_q=None):
+        """Runs the backward into dq_acc (zeroed by the caller), dk, dv, then dq <- dq_acc * scale, with
+        descriptors from :meth:`descriptors`. Returns the compiled Gluon kernel (the probes read its
+        registers), None for an empty grid."""
+        kernel = None
+        if self.main is not None:
+            if self.varlen:
+                kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv)
+            else:
+                kernel = self.main(*descriptors, None, None, None, None, None, None, None)
+        self.convert(dq_acc, dq, cu_seqlens_q[self.n_seqs:] if self.varlen else None)
+        return kernel
+
+    def __call__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, **varlen):
+        descriptors = self.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
+        return self.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, **varlen)
 
 
 def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config, *,
@@ -1083,8 +1148,7 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
     launch (the backward preprocess does, in the pass that reads out and dout: launch_preprocess's
     zero), and the launch does not; by default the launch allocates and zeroes its own."""
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    cfg = config
+    seqlen_k = k.shape[1]
     # The score accumulators start at -lse / scale (see the module docstring).
     assert softmax_scale > 0, softmax_scale
     row_stride = padded_row_stride(seqlen_q)
@@ -1128,44 +1192,18 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
         dq_acc = dq_accumulator(q)
     else:
         assert dq_acc.shape == q.shape and dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
-    descs, kernel_fn, block_n, extra = _kernel_args(q, k, v, dout, dq_acc, dk, dv, lse_log2, delta, cfg)
-    if varlen:
-        # lse / delta are read with plain loads (a sequence's rows start at any offset); dK / dV of a
-        # sequence's ragged last key tile are stored from registers.
-        seq_args = (cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta,
-                    dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2))
-        rows_end = cu_seqlens_q[n_seqs:]
-    else:
-        seq_args = (None,) * 11
-        rows_end = None
-
-    # Key blocks of one head are adjacent in launch order: concurrent CTAs stream the same query
-    # blocks (shared in L2) and reduce into the same dQ rows (L2-resident). Varlen: the third axis
-    # is the sequence, the first covers the longest one (programs past a sequence's keys exit).
-    grid = (triton.cdiv(max_seqlen_k, block_n), nheads_k, n_seqs)
-    convert_block = 32
-    convert_grid = (triton.cdiv(seqlen_q, convert_block), nheads, batch)
-    if grid[0] == 0:
-        grid = None
+    varlen_args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q)
+    plan = BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, softmax_scale, causal, config,
+                        max_seqlen_k=max_seqlen_k, **varlen_args)
 
     def launch():
         if zero_dq_acc:
             dq_acc.zero_()
-        kernel = None
-        if grid is not None:
-            kernel = kernel_fn[grid](
-                *descs, seqlen_q, seqlen_k, nheads, nheads // nheads_k, row_stride, softmax_scale * LOG2E,
-                softmax_scale, *seq_args,
-                BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
-                LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), IS_VARLEN=varlen, num_warps=4, **extra,
-            )
-        gluon_bwd_dq_convert_kernel[convert_grid](
-            dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale, rows_end,
-            HEAD_DIM=head_dim, BLOCK_S=convert_block, BLOCK_D=padded_head_dim(head_dim), num_warps=4,
-        )
+        kernel = plan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, **varlen_args)
         if dk is not dk_out:
             dk_out.copy_(dk)
         if dv is not dv_out:
             dv_out.copy_(dv)
         return kernel
     return launch
+

@@ -40,7 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper import gluon_descriptor, qkv_supported
+from .hopper import DescriptorTemplate, qkv_supported
+from .plans import CompiledCall
 from ..configs import GluonFwdConfig, padded_head_dim
 from ..runtime import multiprocessor_count
 
@@ -791,59 +792,91 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
                   seqused_q=None, seqused_k=None, max_seqlen_q=None):
     """A zero-argument launch with the TMA descriptors built once (timing without host overhead).
     Arguments as gluon_attention_forward's."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    cfg = config
-    assert lse.stride(-1) == 1 and out.stride(-1) == 1
-    assert not cfg.pingpong or cfg.num_consumers >= 2
-    assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
-        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
-        assert cu_seqlens_k.numel() == cu_seqlens_q.numel() and lse.dim() == 2
-        for t in (seqused_q, seqused_k):
-            assert t is None or (t.dtype == torch.int32 and t.numel() == cu_seqlens_q.numel() - 1)
-        n_seqs = cu_seqlens_q.numel() - 1
-        if max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n_seqs > 0 else 0
-        # (query block, head, sequence); lse is (h, total_q), the sequence offset is added in the kernel.
-        grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, n_seqs)
-        lse_strides = (0, lse.stride(0))
-        out_args = (out, out.stride(1), out.stride(2))
-        persistent = False
-    else:
-        assert cu_seqlens_k is None and seqused_q is None and seqused_k is None
-        # Query blocks of one head are adjacent in launch order so they share K/V in L2.
-        grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
-        lse_strides = (lse.stride(0), lse.stride(1))
-        out_args = (None, None, None)
-        persistent = cfg.persistent
-    if min(grid) == 0:
-        return lambda: None
-    if persistent:
-        # One CTA per SM (a CTA's registers fill an SM), each taking work units round robin: query
-        # tiles in the order above, or causal pairs of them (the kernel's _dense_units).
-        units = (triton.cdiv(grid[0], 2) if causal else grid[0]) * grid[1] * grid[2]
-        grid = (min(units, _multiprocessors(q.device)), 1, 1)
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
+    plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen)
+    descriptors = plan.descriptors(q, k, v, out)
+    return lambda: plan.launch(descriptors, out, lse, **varlen)
 
-    # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
-    # the tensors, whose missing columns TMA reads as zeros and never writes.
-    block_d = padded_head_dim(head_dim)
-    q_desc = gluon_descriptor(q, ROWS_PER_CONSUMER, block_d)
-    o_desc = gluon_descriptor(out, ROWS_PER_CONSUMER, block_d)
-    k_desc = gluon_descriptor(k, cfg.block_n, block_d)
-    v_desc = gluon_descriptor(v, cfg.block_n, block_d)
 
-    def launch():
-        return gluon_attn_fwd_kernel[grid](
-            q_desc, k_desc, v_desc, o_desc, lse, *lse_strides,
-            seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch, softmax_scale * LOG2E,
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *out_args,
-            BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
-            CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
-            CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
-            ROW_SUM_MMA=cfg.row_sum_mma,
-            num_warps=4,
-        )
-    return launch
+class ForwardPlan:
+    """The Gluon forward for one call signature (kernels/plans.py): grid, kernel arguments and
+    descriptor layouts worked out once; each call builds the TMA descriptors for its tensors and
+    launches the compiled kernel. Later calls must match the first one's shapes, strides, dtypes
+    and 16-byte alignment (the plan key's job). Arguments as gluon_attention_forward's."""
+
+    def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None, max_seqlen_q=None):
+        batch, seqlen_q, nheads, head_dim = q.shape
+        seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        cfg = config
+        assert lse.stride(-1) == 1 and out.stride(-1) == 1
+        assert not cfg.pingpong or cfg.num_consumers >= 2
+        assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
+        varlen = cu_seqlens_q is not None
+        if varlen:
+            assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
+            assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+            assert cu_seqlens_k.numel() == cu_seqlens_q.numel() and lse.dim() == 2
+            for t in (seqused_q, seqused_k):
+                assert t is None or (t.dtype == torch.int32 and t.numel() == cu_seqlens_q.numel() - 1)
+            n_seqs = cu_seqlens_q.numel() - 1
+            if max_seqlen_q is None:
+                max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n_seqs > 0 else 0
+            # (query block, head, sequence); lse is (h, total_q), the sequence offset is added in the kernel.
+            grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, n_seqs)
+            lse_strides = (0, lse.stride(0))
+            out_strides = (out.stride(1), out.stride(2))
+            persistent = False
+        else:
+            assert cu_seqlens_k is None and seqused_q is None and seqused_k is None
+            # Query blocks of one head are adjacent in launch order so they share K/V in L2.
+            grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
+            lse_strides = (lse.stride(0), lse.stride(1))
+            out_strides = (None, None)
+            persistent = cfg.persistent
+        self.varlen = varlen
+        self.call = None
+        if min(grid) == 0:
+            return
+        if persistent:
+            # One CTA per SM (a CTA's registers fill an SM), each taking work units round robin: query
+            # tiles in the order above, or causal pairs of them (the kernel's _dense_units).
+            units = (triton.cdiv(grid[0], 2) if causal else grid[0]) * grid[1] * grid[2]
+            grid = (min(units, _multiprocessors(q.device)), 1, 1)
+
+        # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
+        # the tensors, whose missing columns TMA reads as zeros and never writes.
+        block_d = padded_head_dim(head_dim)
+        self.q_tiles = DescriptorTemplate(q, ROWS_PER_CONSUMER, block_d)
+        self.o_tiles = DescriptorTemplate(out, ROWS_PER_CONSUMER, block_d)
+        self.k_tiles = DescriptorTemplate(k, cfg.block_n, block_d)
+        self.v_tiles = DescriptorTemplate(v, cfg.block_n, block_d)
+        descriptors = self.descriptors(q, k, v, out)
+        self.call = CompiledCall(
+            gluon_attn_fwd_kernel, grid,
+            (*descriptors, lse, *lse_strides, seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch,
+             softmax_scale * LOG2E, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, out if varlen else None,
+             *out_strides),
+            dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
+                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
+                 CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
+                 ROW_SUM_MMA=cfg.row_sum_mma, num_warps=4),
+            slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                   "seqused_k", "o_ptr"))
+
+    def descriptors(self, q, k, v, out) -> tuple:
+        """The TMA descriptors of one call's tensors (q, k, v, o order)."""
+        return self.q_tiles(q), self.k_tiles(k), self.v_tiles(v), self.o_tiles(out)
+
+    def launch(self, descriptors, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+               seqused_k=None):
+        """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
+        if self.call is None:
+            return None
+        return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                         out if self.varlen else None)
+
+    def __call__(self, q, k, v, out, lse, **varlen):
+        if self.call is None:
+            return None
+        return self.launch(self.descriptors(q, k, v, out), out, lse, **varlen)

@@ -63,15 +63,47 @@ def _host_descriptor(base: torch.Tensor, shape: list, strides: list, block: list
     return desc
 
 
-def gluon_descriptor(t: torch.Tensor, rows: int, cols: int = 0):
-    """Host TMA descriptor over a TMA-aligned (b, s, h, d) view (see tma_aligned) for Gluon
-    kernels: (1, rows, 1, cols or d) boxes, swizzled the way wgmma reads them."""
-    block = (1, rows, 1, cols or t.shape[-1])
-    return _host_descriptor(t, list(t.shape), list(t.stride()), list(block), _swizzled_layout(block, t.dtype))
+class DescriptorTemplate:
+    """Host TMA descriptors over TMA-aligned (b, s, h, d) views (see tma_aligned) of one shape,
+    strides and dtype, for Gluon kernels: (1, rows, 1, cols or d) boxes, swizzled the way wgmma
+    reads them. Calling it with a tensor of that shape, strides and dtype gives its descriptor:
+    only the base changes (launch plans build descriptors on every call)."""
+
+    def __init__(self, t: torch.Tensor, rows: int, cols: int = 0):
+        block = (1, rows, 1, cols or t.shape[-1])
+        self.shape, self.strides, self.block = list(t.shape), list(t.stride()), list(block)
+        self.layout = _swizzled_layout(block, t.dtype)
+
+    def __call__(self, t: torch.Tensor):
+        return _host_descriptor(t, self.shape, self.strides, self.block, self.layout)
 
 
-def gluon_row_descriptor(t: torch.Tensor, rows: int):
-    """1-D host TMA descriptor over the whole buffer under a (b, h, s) float32 view with unit
-    row stride: unswizzled boxes of ``rows`` values, addressed by flat offset."""
-    flat = t.as_strided((t.shape[0] * t.stride(0),), (1,))
-    return _host_descriptor(flat, [flat.numel()], [1], [rows], _flat_layout(32))
+class TileDescriptorTemplate:
+    """Host tensor descriptors of triton.tools (what the portable Triton kernels take) over
+    TMA-aligned (b, s, h, d) views of one shape and strides: (1, rows, 1, cols) tiles of one
+    (batch, head). Calling it with such a tensor gives its descriptor."""
+
+    def __init__(self, t: torch.Tensor, rows: int, cols: int):
+        self.shape, self.strides, self.block = list(t.shape), list(t.stride()), [1, rows, 1, cols]
+
+    def __call__(self, t: torch.Tensor):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = object.__new__(TensorDescriptor)  # fields set directly, as _host_descriptor does
+        desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (t, self.shape, self.strides,
+                                                                               self.block, "zero")
+        return desc
+
+
+class RowDescriptorTemplate:
+    """1-D host TMA descriptors over the whole buffer under (b, h, s) float32 views with unit row
+    stride, of one shape and strides: unswizzled boxes of ``rows`` values, addressed by flat offset.
+    Calling it with such a view gives its descriptor (the view itself is the base: its address is
+    the flat buffer's)."""
+
+    def __init__(self, t: torch.Tensor, rows: int):
+        self.shape, self.strides, self.block = [t.shape[0] * t.stride(0)], [1], [rows]
+        self.layout = _flat_layout(t.element_size() * 8)
+
+    def __call__(self, t: torch.Tensor):
+        return _host_descriptor(t, self.shape, self.strides, self.block, self.layout)

@@ -13,7 +13,6 @@ from typing import Callable, Optional
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import autotune
 from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_GLUON,
@@ -23,7 +22,9 @@ from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preproc
 from .combine import attn_combine_kernel
 from .kvcache_update import kvcache_update_kernel
 from .forward import attn_fwd_kernel
-from .hopper import tma_aligned
+from .hopper import TileDescriptorTemplate, tma_aligned
+from .plans import CompiledCall, PlanCache, tensor_signature
+from .plans import enabled as plans_enabled
 from .probs import attn_probs_kernel
 
 _LOG2E = math.log2(math.e)
@@ -186,11 +187,6 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs] = N
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
 
 
-def row_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
-    """A tensor descriptor over (b, s, h, d) whose tiles are block_rows rows of one (batch, head)."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, block_d])
-
-
 def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> Optional[Config]:
     """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
     call, else None: the call runs on the portable Triton kernels."""
@@ -223,24 +219,53 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``."""
     if out.numel() == 0:
         return
+    plan_key = None if seqs is not None else _plan_key(params, q, k, v, out, lse)
+    plan = None if plan_key is None else _FORWARD_PLANS.get(plan_key)
+    if plan is not None:
+        plan(q, k, v, out, lse)
+        return
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
     gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
-        from .gluon_forward import CANDIDATES, gluon_attention_forward
+        from .gluon_forward import CANDIDATES, ForwardPlan
 
         varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
-                                               seqused_q=seqs.seqused_q, max_seqlen_q=seqs.max_seqlen_q)
+                                               seqused_q=seqs.seqused_q)
         lse_arg = lse if seqs is None else lse[0]
+        max_seqlen_q = None if seqs is None else seqs.max_seqlen_q
 
-        def run(cfg):
-            gluon_attention_forward(q, k, v, out, lse_arg, params.softmax_scale, params.causal, cfg, **varlen)
-        run(_tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run))
-        return
-    kernel = forward_kernel(q, k, seqs)
-    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
-    cfg = _tuned(kernel, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
-                 lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
-    launch_forward(q, k, v, out, lse, params, cfg, seqs)
+        def plan_for(cfg):
+            return ForwardPlan(q, k, v, out, lse_arg, params.softmax_scale, params.causal, cfg,
+                               max_seqlen_q=max_seqlen_q, **varlen)
+        cfg = _tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES,
+                     lambda c: plan_for(c)(q, k, v, out, lse_arg, **varlen))
+        plan = plan_for(cfg)
+        plan(q, k, v, out, lse_arg, **varlen)
+    else:
+        kernel = forward_kernel(q, k, seqs)
+        cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+        cfg = _tuned(kernel, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
+                     lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
+        plan = PortableForward(q, k, v, out, lse, params, cfg, seqs)
+        plan(q, k, v, out, lse, params.alibi_slopes, params.dropout_seed, seqs)
+    if plan_key is not None:
+        _FORWARD_PLANS.put(plan_key, plan)
+
+
+# Plans of dense calls by signature (kernels/plans.py).
+_FORWARD_PLANS = PlanCache()
+_BACKWARD_PLANS = PlanCache()
+
+
+def _plan_key(params: ScoreParams, *tensors) -> Optional[tuple]:
+    """The plan-cache key of a dense call on these tensors, or None when no plan may serve it:
+    plans are kept for CUDA calls with scaled dot products (no softcap, ALiBi or dropout: their
+    tensors and scalars are not in the key) while plans.enabled()."""
+    q = tensors[0]
+    if not q.is_cuda or not params.scaled_dot_products or params.dropout_p > 0 or not plans_enabled():
+        return None
+    return (q.device, portable_only(), params.softmax_scale, params.window_left, params.window_right,
+            *(tensor_signature(t) for t in tensors))
 
 
 def forward_kernel(q, k, seqs: Optional[PackedSeqs]) -> str:
@@ -299,29 +324,51 @@ def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[P
                    splits: Optional[tuple] = None) -> None:
     """The portable forward with an explicit config (the autotuner times several). ``splits``:
     (num_splits, keys_per_split, split stride of out, of lse) for attention_forward_split."""
-    batch, max_seqlen_q, _ = _grid_lengths(q, k, seqs)
-    nheads, head_dim = q.shape[2], q.shape[3]
-    block_d = padded_head_dim(head_dim)
-    # Descriptors address (batch, row) tiles: dense only (a packed sequence's last tile would
-    # be stored over the next sequence's rows).
-    use_tma = cfg.use_tma and seqs is None and splits is None and all(tma_aligned(t) for t in (q, k, v, out))
-    if use_tma:
-        tiles = (row_descriptor(q, cfg.block_m, block_d), row_descriptor(k, cfg.block_n, block_d),
-                 row_descriptor(v, cfg.block_n, block_d), row_descriptor(out, cfg.block_m, block_d))
-    else:
-        tiles = (q, k, v, out)
-    num_splits, keys_per_split, split_stride_o, split_stride_lse = splits or (1, 0, 0, 0)
-    grid = (triton.cdiv(max_seqlen_q, cfg.block_m) * num_splits, nheads, batch)
-    attn_fwd_kernel[grid](
-        *tiles, lse,
-        *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse),
-        **_seq_args(seqs), **_page_args(k, seqs), **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
-        KeyShift=None if seqs is None else seqs.key_shift, num_splits=num_splits, keys_per_split=keys_per_split,
-        split_stride_o=split_stride_o, split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
-        SCALE_IN_EXP2=params.scaled_dot_products,
-        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
-    )
+    PortableForward(q, k, v, out, lse, params, cfg, seqs, splits)(q, k, v, out, lse, params.alibi_slopes,
+                                                                   params.dropout_seed, seqs)
+
+
+class PortableForward:
+    """The portable forward kernel for one call signature (kernels/plans.py): grid, configs and
+    scalar arguments worked out once; a call passes its tensors (TMA descriptors of them on the
+    dense TMA path). Later calls must match the first one's shapes, strides, dtypes, 16-byte
+    alignment and scalar options (the plan key's job)."""
+
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
+                 splits: Optional[tuple] = None):
+        batch, max_seqlen_q, _ = _grid_lengths(q, k, seqs)
+        nheads, head_dim = q.shape[2], q.shape[3]
+        block_d = padded_head_dim(head_dim)
+        # Descriptors address (batch, row) tiles: dense only (a packed sequence's last tile would
+        # be stored over the next sequence's rows).
+        use_tma = cfg.use_tma and seqs is None and splits is None and all(tma_aligned(t) for t in (q, k, v, out))
+        self.tiles = None
+        if use_tma:
+            rows = (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m)
+            self.tiles = tuple(TileDescriptorTemplate(t, r, block_d) for t, r in zip((q, k, v, out), rows))
+        num_splits, keys_per_split, split_stride_o, split_stride_lse = splits or (1, 0, 0, 0)
+        grid = (triton.cdiv(max_seqlen_q, cfg.block_m) * num_splits, nheads, batch)
+        pages = _page_args(k, seqs)
+        self.call = CompiledCall(
+            attn_fwd_kernel, grid,
+            (q, k, v, out, lse,
+             *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse)),
+            dict(**_seq_args(seqs), **pages, **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
+                 KeyShift=None, num_splits=num_splits, keys_per_split=keys_per_split, split_stride_o=split_stride_o,
+                 split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
+                 SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
+                 WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                 **cfg.launch_kwargs()),
+            slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ",
+                   "SeqUsedK", "BlockTable", "KeyShift"))
+
+    def __call__(self, q, k, v, out, lse, alibi_slopes=None, dropout_seed=None, seqs: Optional[PackedSeqs] = None):
+        tiles = (q, k, v, out) if self.tiles is None else tuple(t(x) for t, x in zip(self.tiles, (q, k, v, out)))
+        if seqs is None:
+            self.call(*tiles, lse, alibi_slopes, dropout_seed, None, None, None, None, None, None)
+        else:
+            self.call(*tiles, lse, alibi_slopes, dropout_seed, seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q,
+                      seqs.seqused_k, seqs.block_table, seqs.key_shift)
 
 
 def row_stats_buffers(lse: torch.Tensor) -> tuple:
@@ -357,19 +404,67 @@ def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs
     """delta <- rowsum(dout * out), lse_log2 <- lse * log2(e) (+inf for rows without keys).
     zero: None, or a float32 tensor shaped like out whose rows (each sequence's used rows, when
     packed) are zeroed in the same pass."""
+    preprocess_call(out, dout, lse, delta, lse_log2, seqs, block_m, num_warps, zero)(
+        out, dout, lse, delta, lse_log2, zero, *_preprocess_seq_tensors(seqs))
+
+
+def _preprocess_seq_tensors(seqs: Optional[PackedSeqs]) -> tuple:
+    args = _seq_args(seqs)
+    return args["CuSeqlensQ"], args["SeqUsedQ"]
+
+
+def preprocess_call(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None, block_m: int = 64,
+                    num_warps: int = 4, zero: Optional[torch.Tensor] = None) -> CompiledCall:
+    """:func:`launch_preprocess` for these tensors' signature, as a CompiledCall taking (out, dout,
+    lse, delta, lse_log2, zero, cu_seqlens_q, seqused_q)."""
     batch, max_seqlen_q, _ = _grid_lengths(out, out, seqs)
     nheads, head_dim = out.shape[2], out.shape[3]
-    args = _seq_args(seqs)
     if zero is not None:
         assert zero.dtype == torch.float32 and zero.shape == out.shape and zero.stride(-1) == 1
-    attn_bwd_preprocess_kernel[(triton.cdiv(max_seqlen_q, block_m), nheads, batch)](
-        out, dout, lse, delta, lse_log2,
-        *_bsh_strides(out), *_bsh_strides(dout), *_bh_strides(lse), *_bh_strides(delta),
-        args["CuSeqlensQ"], args["SeqUsedQ"],
-        zero, *(_bsh_strides(zero) if zero is not None else (0, 0, 0)), nheads, out.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, IS_VARLEN=args["IS_VARLEN"],
-        num_warps=num_warps,
-    )
+    return CompiledCall(
+        attn_bwd_preprocess_kernel, (triton.cdiv(max_seqlen_q, block_m), nheads, batch),
+        (out, dout, lse, delta, lse_log2, *_bsh_strides(out), *_bsh_strides(dout), *_bh_strides(lse),
+         *_bh_strides(delta), *_preprocess_seq_tensors(seqs), zero,
+         *(_bsh_strides(zero) if zero is not None else (0, 0, 0)), nheads, out.shape[1]),
+        dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, IS_VARLEN=seqs is not None,
+             num_warps=num_warps),
+        slots=("Out", "DOut", "Lse", "Delta", "LseLog2", "ZeroRows", "CuSeqlensQ", "SeqUsedQ"))
+
+
+class GluonBackward:
+    """The Hopper backward of one call signature (kernels/plans.py): the preprocess (delta,
+    lse_log2, and the float32 dQ accumulator zeroed in the same pass), then the Gluon kernel and
+    the dQ convert (gluon_backward.BackwardPlan). dout, dk, dv must be TMA-aligned; the
+    accumulator covers every row the backward adds into (gluon_config keeps packed batches with
+    seqused_q, whose unused rows the preprocess would skip, off this kernel)."""
+
+    def __init__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, cfg, pre_cfg,
+                 seqs: Optional[PackedSeqs] = None):
+        from .gluon_backward import BackwardPlan, dq_accumulator
+
+        assert seqs is None or seqs.seqused_q is None
+        self.seqs = seqs
+        self.varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
+                                                    seqused_q=seqs.seqused_q)
+        delta, lse_log2 = row_stats_buffers(lse)
+        dq_acc = dq_accumulator(q)
+        self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
+                                          zero=dq_acc)
+        self.kernels = BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, params.softmax_scale,
+                                    params.causal, cfg, max_seqlen_k=_grid_lengths(q, k, seqs)[2], **self.varlen)
+
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv):
+        from .gluon_backward import dq_accumulator
+
+        # The host work (buffers, TMA descriptors) comes before the preprocess kernel, so that the
+        # preprocess, backward and dQ-convert kernels go out back to back: done between them, it left
+        # the GPU idle after the short preprocess. The preprocess zeroes the accumulator as it goes (a
+        # memset of its own cost 29 us per 16k tokens at hidden 2048).
+        delta, lse_log2 = row_stats_buffers(lse)
+        dq_acc = dq_accumulator(q)
+        descriptors = self.kernels.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
+        self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, *_preprocess_seq_tensors(self.seqs))
+        self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, **self.varlen)
 
 
 def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
@@ -393,6 +488,11 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         dk.zero_()
         dv.zero_()
         return
+    plan_key = None if deterministic or seqs is not None else _plan_key(params, q, k, v, out, dout, lse, dq, dk, dv)
+    plan = None if plan_key is None else _BACKWARD_PLANS.get(plan_key)
+    if plan is not None:
+        plan(q, k, v, out, dout, lse, dq, dk, dv)
+        return
     arch = arch_of(q.device)
     shape = _shape_args(q, k)
     score = params.kernel_args(q.dtype)
@@ -401,33 +501,37 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     pre_cfg = get_config(BWD_PREPROCESS, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
     gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None:
-        from .gluon_backward import CANDIDATES, dq_accumulator, make_launcher as gluon_backward_launcher
+        from .gluon_backward import CANDIDATES
 
-        varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
-                                               seqused_q=seqs.seqused_q, max_seqlen_k=seqs.max_seqlen_k)
+        # TMA addresses dout, dk and dv: views it cannot (rare) go through aligned buffers.
+        dk_out, dv_out, dout_in = dk, dv, dout
+        if not tma_aligned(dout):
+            dout = dout.contiguous()
+        if not tma_aligned(dk):
+            dk = torch.empty(dk.shape, device=dk.device, dtype=dk.dtype)
+        if not tma_aligned(dv):
+            dv = torch.empty(dv.shape, device=dv.device, dtype=dv.dtype)
         # The Gluon backward adds dQ up in a float32 (b, sq, h, d) buffer: at long context, run it
         # a few heads at a time so that buffer stays small next to the inputs and gradients.
-        for h0, h1, hk0, hk1 in gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim):
-            q_c, dout_c, out_c, dq_c = (t[:, :, h0:h1] for t in (q, dout, out, dq))
-            k_c, v_c, dk_c, dv_c = (t[:, :, hk0:hk1] for t in (k, v, dk, dv))
-            lse_c = lse[:, h0:h1]
-            delta, lse_log2 = row_stats_buffers(lse_c)
+        chunks = gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim)
+        for h0, h1, hk0, hk1 in chunks:
+            if len(chunks) == 1:
+                chunk = (q, k, v, out, dout, lse, dq, dk, dv)
+            else:
+                chunk = (q[:, :, h0:h1], k[:, :, hk0:hk1], v[:, :, hk0:hk1], out[:, :, h0:h1], dout[:, :, h0:h1],
+                         lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
 
-            def run_gluon(cfg):
-                # The host work (TMA descriptors, the dQ accumulator) comes before the preprocess
-                # kernel, so that the preprocess, backward and dQ-convert kernels go out back to back:
-                # done between them, it left the GPU idle after the short preprocess. The preprocess
-                # zeroes the accumulator as it goes (a memset of its own cost 29 us per 16k tokens at
-                # hidden 2048); it visits every row the backward adds into (gluon_config keeps packed
-                # batches with seqused_q, whose unused rows it would skip, off this kernel).
-                assert seqs is None or seqs.seqused_q is None
-                dq_acc = dq_accumulator(q_c)
-                launch = gluon_backward_launcher(q_c, k_c, v_c, dout_c, lse_log2, delta, dq_c, dk_c, dv_c,
-                                                 params.softmax_scale, params.causal, cfg, dq_acc=dq_acc, **varlen)
-                launch_preprocess(out_c, dout_c, lse_c, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
-                                  zero=dq_acc)
-                launch()
-            run_gluon(_tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon))
+            def run_gluon(cfg, chunk=chunk):
+                GluonBackward(*chunk, params, cfg, pre_cfg, seqs)(*chunk)
+            cfg = _tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon)
+            plan = GluonBackward(*chunk, params, cfg, pre_cfg, seqs)
+            plan(*chunk)
+        if dk is not dk_out:
+            dk_out.copy_(dk)
+        if dv is not dv_out:
+            dv_out.copy_(dv)
+        if plan_key is not None and len(chunks) == 1 and dout is dout_in and dk is dk_out and dv is dv_out:
+            _BACKWARD_PLANS.put(plan_key, plan)
         return
     delta, lse_log2 = row_stats_buffers(lse)
     launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps)

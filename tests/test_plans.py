@@ -1,0 +1,149 @@
+"""Launch plans (flashtile/kernels/plans.py): later calls of a signature replay the first call's
+plan. On the GPU: replayed calls compute the same function on fresh data, layouts and alignments
+that differ get plans of their own, and FLASHTILE_LAUNCH_PLANS=0 or override() bypass them. On the
+CPU: the argument bookkeeping of CompiledCall and the cache's bounds."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func
+from flashtile.configs import BWD_GLUON, FWD_GLUON, override, table_config
+from flashtile.kernels import launch, plans
+
+from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv, randn
+
+
+def _plan_counts():
+    return len(launch._FORWARD_PLANS.plans), len(launch._BACKWARD_PLANS.plans)
+
+
+@pytest.fixture
+def fresh_plans():
+    launch._FORWARD_PLANS.clear()
+    launch._BACKWARD_PLANS.clear()
+    yield
+    launch._FORWARD_PLANS.clear()
+    launch._BACKWARD_PLANS.clear()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim, seqlen", [(64, 1023), (128, 113), (256, 512), (40, 239)])
+def test_replayed_calls_compute_the_same_function(fresh_plans, dtype, causal, head_dim, seqlen):
+    # Three calls of one signature on fresh inputs: the first leaves the plans, the others replay them.
+    # Every forward gets a plan; the backward's are the Hopper kernel's (the portable one has none).
+    q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, head_dim, dtype)
+    params = launch.ScoreParams(softmax_scale=head_dim ** -0.5, window_right=0 if causal else -1)
+    expected = (1, int(launch.gluon_config(BWD_GLUON, q, k, v, params) is not None))
+    for call in range(3):
+        if call > 0:
+            q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, head_dim, dtype)
+        check_against_reference(flash_attn_func, q, k, v, causal=causal)
+        assert _plan_counts() == expected, _plan_counts()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
+def test_layouts_and_alignments_get_plans_of_their_own(fresh_plans):
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(2, 256, 256, 4, 4, 128, dtype)
+    check_against_reference(flash_attn_func, q, k, v, causal=True)
+    # The same shapes as views of a packed qkv (other strides), then a base 8 bytes off 16-byte alignment.
+    qkv = randn(2, 256, 3, 4, 128, dtype=dtype, requires_grad=True)
+    check_against_reference(flash_attn_func, *qkv.unbind(2), causal=True)
+    buffer = randn(3 * 2 * 256 * 4 * 128 + 4, dtype=dtype)
+    shifted = [buffer[4 + i * q.numel():4 + (i + 1) * q.numel()].view(q.shape).detach().requires_grad_()
+               for i in range(3)]
+    assert shifted[0].data_ptr() % 16 == 8
+    check_against_reference(flash_attn_func, *shifted, causal=True)
+    # TMA cannot address the shifted tensors: the portable kernels serve them (a forward plan only).
+    assert _plan_counts() == (3, 2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
+def test_plans_off_and_overrides_bypass_them(fresh_plans, monkeypatch):
+    q, k, v = make_qkv(2, 300, 300, 4, 4, 64, torch.float16, requires_grad=False)
+    with_plans = [flash_attn_func(q, k, v, causal=True) for _ in range(2)]
+    monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+    launch._FORWARD_PLANS.clear()
+    without = flash_attn_func(q, k, v, causal=True)
+    assert _plan_counts() == (0, 0)
+    monkeypatch.delenv("FLASHTILE_LAUNCH_PLANS")
+    for out in with_plans:
+        torch.testing.assert_close(out, without, rtol=0, atol=0)  # the same kernel, bit for bit
+    # Inside override() the config is the override's, never a plan's.
+    cfg = table_config(FWD_GLUON, "sm90", 64, causal=True, seqlen_k=300)
+    with override(fwd_gluon=cfg, bwd_gluon=table_config(BWD_GLUON, "sm90", 64, causal=True, seqlen_k=300)):
+        flash_attn_func(q, k, v, causal=True)
+    assert _plan_counts() == (0, 0)
+
+
+class _FakeKernel:
+    """What a compiled kernel looks like to CompiledCall: run(...) records the launch."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _FakeJit:
+    """A JIT function: fn is the Python function; [grid](**kwargs) records the binding."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.kernel = _FakeKernel()
+        self.bound = []
+
+    def __getitem__(self, grid):
+        def bind(**kwargs):
+            self.bound.append((grid, kwargs))
+            return self.kernel
+        return bind
+
+
+def _kernel(a_ptr, b_ptr, n, scale, flag=None, BLOCK: int = 16, EVEN: bool = True):
+    pass
+
+
+def test_compiled_call_binds_once_then_replays_in_signature_order(monkeypatch):
+    monkeypatch.setattr(plans, "_current_stream", lambda: 1234)
+    jit = _FakeJit(_kernel)
+    call = plans.CompiledCall(jit, (3, 2), ("A0", "B0", 10), dict(scale=0.5, BLOCK=32, num_warps=4),
+                              slots=("a_ptr", "b_ptr"))
+    assert call("A1", "B1") is jit.kernel
+    assert jit.bound == [((3, 2, 1), dict(a_ptr="A1", b_ptr="B1", n=10, scale=0.5, flag=None, BLOCK=32, EVEN=True,
+                                          num_warps=4))]
+    call("A2", "B2")
+    assert len(jit.bound) == 1  # not bound again
+    (launch_args,) = jit.kernel.launches
+    grid, stream, function, metadata, launch_metadata = launch_args[:3], launch_args[3], *launch_args[4:7]
+    assert grid == (3, 2, 1) and stream == 1234 and function == "function" and metadata == "metadata"
+    assert launch_metadata is None
+    assert list(launch_args[9:]) == ["A2", "B2", 10, 0.5, None, 32, True]
+
+
+def test_compiled_call_needs_every_argument():
+    with pytest.raises(AssertionError, match="scale"):
+        plans.CompiledCall(_FakeJit(_kernel), (1,), ("A", "B", 1), {}, slots=())
+
+
+def test_plan_cache_is_bounded():
+    cache = plans.PlanCache(capacity=3)
+    for key in range(5):
+        cache.put(key, key)
+    assert sorted(cache.plans) == [2, 3, 4] and cache.get(4) == 4 and cache.get(0) is None
+
+
+def test_plans_are_off_under_override_and_autotune(monkeypatch):
+    assert plans.enabled()
+    with override(fwd=table_config("fwd", "interpreter", 64)):
+        assert not plans.enabled()
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
+    assert not plans.enabled()
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+    assert not plans.enabled()
