@@ -215,14 +215,15 @@ def piece_check(d):
     from flashtile.configs import BWD_GLUON, table_config
     from flashtile.kernels import gluon_backward as gb
 
-    # Count the library's calls into the Gluon backward (the API case must reach it).
+    # Count the library's calls into the Gluon backward (the API case must reach it; varlen calls
+    # set up their BackwardPlan on every call).
     calls = [0]
-    original = gb.make_launcher
 
-    def counting(*a, **kw):
-        calls[0] += 1
-        return original(*a, **kw)
-    gb.make_launcher = counting
+    class Counting(gb.BackwardPlan):
+        def __init__(self, *a, **kw):
+            calls[0] += 1
+            super().__init__(*a, **kw)
+    gb.BackwardPlan = Counting
 
     cfg = table_config(BWD_GLUON, "sm90", d, causal=False, seqlen_k=16384)
     results = []
