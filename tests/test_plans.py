@@ -147,3 +147,42 @@ def test_plans_are_off_under_override_and_autotune(monkeypatch):
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
     assert not plans.enabled()
+
+
+def test_plans_keep_no_tensor_alive():
+    """A cached plan outlives the call that made it: it must not hold that call's tensors (a model's
+    activations and gradients, the backward's float32 dQ accumulator). Built on CPU tensors: the
+    plans only read their shapes, strides and dtypes here."""
+    import gc
+    import weakref
+
+    from flashtile.kernels import gluon_backward, gluon_forward
+
+    dtype = torch.float16
+    q, k, v = (torch.randn(2, 256, 2, 64, dtype=dtype) for _ in range(3))
+    out, dout, dq, dk, dv = (torch.randn_like(q) for _ in range(5))
+    lse = torch.randn(2, 2, 256)
+    delta, lse_log2 = launch.row_stats_buffers(lse)
+    dq_acc = gluon_backward.dq_accumulator(q)
+    params = launch.ScoreParams(softmax_scale=0.125, window_right=0)
+    tensors = (q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc)
+    refs = [weakref.ref(t) for t in tensors]
+    built = [
+        gluon_forward.ForwardPlan(q, k, v, out, lse, 0.125, True, table_config(FWD_GLUON, "sm90", 64, False, 256)),
+        gluon_backward.BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, 0.125, True,
+                                    table_config(BWD_GLUON, "sm90", 64, True, 256), max_seqlen_k=256),
+        launch.PortableForward(q, k, v, out, lse, params, table_config("fwd", "interpreter", 64)),
+        launch.preprocess_call(out, dout, lse, delta, lse_log2, zero=dq_acc),
+    ]
+    del q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc, tensors
+    gc.collect()
+    assert all(ref() is None for ref in refs), [i for i, ref in enumerate(refs) if ref() is not None]
+    assert len(built) == 4
+
+
+def test_compiled_call_takes_every_slot(monkeypatch):
+    monkeypatch.setattr(plans, "_current_stream", lambda: 0)
+    call = plans.CompiledCall(_FakeJit(_kernel), (1,), ("A", "B", 1, 0.5), {}, slots=("a_ptr", "b_ptr"))
+    assert call.template[:2] == [None, None]  # the construction's tensors are not kept
+    with pytest.raises(AssertionError):
+        call("A")

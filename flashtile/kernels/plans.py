@@ -93,9 +93,14 @@ class CompiledCall:
         self.template = [values[p.name] if p.name in values else p.default for p in params]
         self.options = {name: value for name, value in kwargs.items() if name not in values}
         self.slot_index = [names.index(name) for name in slots]
+        for index in self.slot_index:
+            # Every call passes its own slot values: a cached plan must not keep the first call's
+            # tensors (activations, gradients, the float32 dQ accumulator) alive.
+            self.template[index] = None
         self.kernel = None
 
     def __call__(self, *slot_values):
+        assert len(slot_values) == len(self.slot_index), (len(slot_values), len(self.slot_index))
         args = list(self.template)
         for index, value in zip(self.slot_index, slot_values):
             args[index] = value
