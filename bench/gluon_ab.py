@@ -10,7 +10,7 @@ Triton backward's gradients).
 Variants: ``base:<config>`` runs the baseline module, ``new:<config>`` the working one, ``X:<config>``
 a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py (several experiments in one run); <config> is
 ``table`` (the committed table entry for the point) or a name in VARIANTS (forward) or in
-gluon_backward.CANDIDATES (backward). Also timed:
+gluon_backward.CANDIDATES (backward), for the backward optionally with "+oc" (overlap_convert). Also timed:
 torch SDPA's cuDNN backend (the ratios' anchor; its backward through autograd). Prints a table of
 TFLOP/s, writes gluon_ab_<mode>.json. The baseline copies are scratch files: do not commit them.
 """
@@ -71,9 +71,15 @@ def resolve(spec, d, causal, seqlen, mode="fwd"):
     side, name = spec.split(":")
     module = variant_module(side, mode)
     if mode == "bwd":
+        # <config>+oc: that config with the dQ convert overlapped (GluonBwdConfig.overlap_convert).
+        name, _, suffix = name.partition("+")
         if name == "table":
-            return module, table_config(BWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen)
-        return module, module.CANDIDATES[d][name]
+            cfg = table_config(BWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen)
+        else:
+            cfg = module.CANDIDATES[d][name]
+        if suffix == "oc":
+            cfg = dataclasses.replace(cfg, overlap_convert=True)
+        return module, cfg
     cfg = table_config(FWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen) if name == "table" else VARIANTS[name]
     return module, cfg
 

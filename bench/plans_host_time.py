@@ -57,6 +57,8 @@ def main():
         "  ops body ": lambda: ops._bwd_body(dout, q0, k0, v0, out0, lse0, None, None, *options),
         "  launch.attention_backward": lambda: launch.attention_backward(q0, k0, v0, out0, dout, lse0, dq, dk, dv,
                                                                          params),
+        "  launch.attention_backward deterministic": lambda: launch.attention_backward(
+            q0, k0, v0, out0, dout, lse0, dq, dk, dv, params, deterministic=True),
         "fwd + autograd.grad": lambda: torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout),
     }
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))

@@ -98,6 +98,10 @@ class GluonBwdConfig:
     # Head dim 256 only: issue the product of the second 64-column dQ tile before the first is
     # stored (overlap for 32 more registers per thread).
     dq_overlap: bool = False
+    # Dense batches: launch the dQ convert as a programmatic dependent launch that starts converting
+    # each (batch, KV head) as soon as its key blocks are done, on the SMs the kernel's last wave
+    # leaves idle (gluon_backward.py, "The dQ convert overlapped with the kernel's last CTAs").
+    overlap_convert: bool = False
 
     @property
     def dq_split_m(self) -> bool:
@@ -134,6 +138,7 @@ class Rule:
                 and (self.varlen is None or self.varlen == varlen))
 
 
+@functools.lru_cache(maxsize=None)
 def padded_head_dim(head_dim: int) -> int:
     """Head dims are processed in a power-of-two tile (tl.dot needs at least 16)."""
     return max(16, triton.next_power_of_2(head_dim))
@@ -249,7 +254,10 @@ _TUNED: dict = {
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
             # 64 keys per CTA, each warpgroup half of the head dim: block_m 64 with 2 stages is what
             # fits shared memory (1.02-1.12x cuDNN in bench/results/2026-11-21-h200-bwd-stagger/sweep).
-            Rule(256, GluonBwdConfig(block_m=64, num_stages=2)),
+            # The dQ convert overlapped with the kernel's last CTAs: +0.6 / +2.4% at 1k full / causal,
+            # +0.8 / +1.7% at 4k (bench/results/2026-11-21-h200-overlap-convert/); at head dim 64 it
+            # lost 2% at 1k, at 128 it was even.
+            Rule(256, GluonBwdConfig(block_m=64, num_stages=2, overlap_convert=True)),
         ],
         BWD_DKDV: [
             Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),

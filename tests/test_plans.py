@@ -31,11 +31,10 @@ def fresh_plans():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim, seqlen", [(64, 1023), (128, 113), (256, 512), (40, 239)])
 def test_replayed_calls_compute_the_same_function(fresh_plans, dtype, causal, head_dim, seqlen):
-    # Three calls of one signature on fresh inputs: the first leaves the plans, the others replay them.
-    # Every forward gets a plan; the backward's are the Hopper kernel's (the portable one has none).
+    # Three calls of one signature on fresh inputs: the first leaves the plans (one forward, one
+    # backward: Hopper or portable kernels), the others replay them.
     q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, head_dim, dtype)
-    params = launch.ScoreParams(softmax_scale=head_dim ** -0.5, window_right=0 if causal else -1)
-    expected = (1, int(launch.gluon_config(BWD_GLUON, q, k, v, params) is not None))
+    expected = (1, 1)
     for call in range(3):
         if call > 0:
             q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, head_dim, dtype)
@@ -56,8 +55,28 @@ def test_layouts_and_alignments_get_plans_of_their_own(fresh_plans):
                for i in range(3)]
     assert shifted[0].data_ptr() % 16 == 8
     check_against_reference(flash_attn_func, *shifted, causal=True)
-    # TMA cannot address the shifted tensors: the portable kernels serve them (a forward plan only).
-    assert _plan_counts() == (3, 2)
+    # TMA cannot address the shifted tensors: the portable kernels serve them, with plans of their own.
+    assert _plan_counts() == (3, 3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
+@pytest.mark.parametrize("window_size", [(-1, -1), (32, 0)])
+def test_deterministic_backward_replays_bit_for_bit(fresh_plans, window_size):
+    # deterministic=True (and sliding windows) take the portable backward; its replayed calls give the
+    # gradients of the call that made the plan, bit for bit, and the float64 reference's on fresh inputs.
+    q, k, v = make_qkv(2, 333, 333, 4, 2, 64, torch.bfloat16)
+    dout = randn(*q.shape, dtype=q.dtype)
+    grads = []
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, window_size=window_size, deterministic=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for replayed in grads[1:]:
+        for first, again in zip(grads[0], replayed):
+            torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert _plan_counts() == (1, 1)
+    q, k, v = make_qkv(2, 333, 333, 4, 2, 64, torch.bfloat16)
+    check_against_reference(flash_attn_func, q, k, v, window_size=window_size, deterministic=True)
+    assert _plan_counts() == (1, 1)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
@@ -167,17 +186,48 @@ def test_plans_keep_no_tensor_alive():
     params = launch.ScoreParams(softmax_scale=0.125, window_right=0)
     tensors = (q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc)
     refs = [weakref.ref(t) for t in tensors]
+    portable = [table_config(name, "interpreter", 64) for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")]
     built = [
         gluon_forward.ForwardPlan(q, k, v, out, lse, 0.125, True, table_config(FWD_GLUON, "sm90", 64, False, 256)),
         gluon_backward.BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, 0.125, True,
                                     table_config(BWD_GLUON, "sm90", 64, True, 256), max_seqlen_k=256),
+        launch.GluonBackward(q, k, v, out, dout, lse, dq, dk, dv, params, table_config(BWD_GLUON, "sm90", 64, True, 256),
+                             portable[0]),
         launch.PortableForward(q, k, v, out, lse, params, table_config("fwd", "interpreter", 64)),
+        launch.PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, *portable),
         launch.preprocess_call(out, dout, lse, delta, lse_log2, zero=dq_acc),
     ]
     del q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc, tensors
     gc.collect()
     assert all(ref() is None for ref in refs), [i for i, ref in enumerate(refs) if ref() is not None]
-    assert len(built) == 4
+    assert len(built) == 6
+
+
+def test_portable_backward_plan_on_fresh_tensors():
+    """A PortableBackward made on one call's tensors computes the gradients of another call of the
+    same signature: what the long way (attention_backward without a plan) gives, bit for bit. Runs
+    the real kernels (through the interpreter on the CPU)."""
+    dtype = torch.float16 if ON_GPU else torch.float32
+    params = launch.ScoreParams(softmax_scale=0.125, window_left=20, window_right=0)
+
+    def call():
+        q, k, v = make_qkv(2, 77, 77, 2, 1, 32, dtype, requires_grad=False)
+        out, lse = torch.empty_like(q), torch.empty(2, 2, 77, device=q.device)
+        launch.attention_forward(q, k, v, out, lse, params)
+        return q, k, v, out, randn(*q.shape, dtype=dtype), lse, torch.empty_like(q), torch.empty_like(k), \
+            torch.empty_like(v)
+
+    first = call()
+    arch = "interpreter" if not ON_GPU else launch.arch_of(first[0].device)
+    configs = [table_config(name, arch, 32, seqlen_k=77) for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")]
+    plan = launch.PortableBackward(*first, params, *configs)
+    second = call()
+    plan(*second)
+    expected = [torch.empty_like(t) for t in second[-3:]]
+    with override(bwd_gluon=None):  # plans are off inside override(): the long way, same kernels and configs
+        launch.attention_backward(*second[:6], *expected, params, deterministic=True)
+    for got, want in zip(second[-3:], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_compiled_call_takes_every_slot(monkeypatch):

@@ -27,6 +27,7 @@ def attn_bwd_preprocess_kernel(
     stride_delta_b, stride_delta_h,
     CuSeqlensQ, SeqUsedQ,
     ZeroRows, stride_zero_b, stride_zero_s, stride_zero_h,
+    ZeroCounts, nheads_k,
     nheads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
@@ -34,10 +35,14 @@ def attn_bwd_preprocess_kernel(
     laid out like lse (a row of a packed sequence starts at its q_start).
     ZeroRows: None, or a float32 (b, sq, h, d) buffer (the Gluon backward's dQ accumulator) whose
     rows this pass zeroes: its writes ride along with the reads of out and dout, instead of a
-    memset of its own."""
+    memset of its own. ZeroCounts: None, or int32 (b, nheads_k) counts (the Gluon backward's key
+    blocks done per KV head) zeroed here too."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
+    if ZeroCounts is not None:
+        if (start_m == 0) & (h < nheads_k):
+            tl.store(ZeroCounts + b * nheads_k + h, 0)
     q_start, _, seqlen_q, _ = sequence_bounds(b, seqlen_q, 0, CuSeqlensQ, CuSeqlensQ, SeqUsedQ, None, IS_VARLEN)
     if IS_VARLEN:  # the grid fits the longest sequence (dense grids are exact)
         if start_m >= seqlen_q:

@@ -54,6 +54,7 @@ d64/d128/d256 compile to the same PTX as before.
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -92,16 +93,22 @@ CANDIDATES = {
     # d64 with 3 stages needs 232960 bytes of shared memory (> 232448): not a candidate.
     64: {
         "m128_s2": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24),
+        "m128_s2_oc": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24,
+                                     overlap_convert=True),
     },
     128: {
         "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
         "m64_s3": GluonBwdConfig(64, 3, 240, 24),
+        "m64_s2_oc": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24,
+                                    overlap_convert=True),
     },
     # d256: 64 keys per CTA; block_m 64 with 2 stages fills shared memory (230 KB). block_m 32
     # would make dQ's wgmma M (query rows) 32 < 64. dq_overlap: see GluonBwdConfig.
     256: {
         "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
         "m64_s2_dqo": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24, dq_overlap=True),
+        "m64_s2_oc": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24,
+                                    overlap_convert=True),
     },
 }
 
@@ -114,6 +121,48 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                               src.handle)
+
+
+# ----------------------------------------------------------------------------------------------
+# The dQ convert overlapped with the kernel's last CTAs (GluonBwdConfig.overlap_convert).
+# ----------------------------------------------------------------------------------------------
+#
+# The convert is launched as a programmatic dependent launch: it may start once every CTA of this
+# kernel has started (each says so at its start), so its programs run on the SMs the kernel's last,
+# partial wave leaves idle. Each consumer warpgroup, once its dK / dV stores and dQ reduce-adds have
+# landed, adds 1 to its (batch, KV head)'s done count (release); a convert program waits (acquire)
+# until its head's count is 2 x the key blocks, converts, and finally waits for the whole kernel
+# (griddepcontrol.wait), so that what follows the convert in the stream sees a finished backward.
+
+@gluon.jit
+def _allow_dependent_launch():
+    """griddepcontrol.launch_dependents: this CTA has started (see the section comment)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _warpgroup_writes_landed(stored):
+    """This warpgroup's bulk (TMA) writes (dK, dV stores, dQ reduce-adds) have landed in global memory
+    (cp.async.bulk.wait_group 0, not the .read form tma.store_wait emits) and are fenced against
+    generic-proxy accesses; then it arrives on ``stored``. The loader warp counts the CTA in once
+    both warpgroups have (so the consumers, short of registers, hold no counts pointer)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+                              "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()  # every thread's writes have landed before the arrival
+    mbarrier.arrive(stored)
+
+
+@gluon.jit
+def _count_cta_done(done_counts, stored):
+    """In the loader warp: once both consumer warpgroups' writes have landed, one lane adds 1 to the
+    CTA's (batch, KV head) done count with release semantics (gpu scope)."""
+    mbarrier.wait(stored, 0)
+    count = done_counts + gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred first;\n\t.reg .u32 lane;\n\tmov.u32 lane, %laneid;\n\tsetp.eq.u32 first, lane, 0;"
+        "\n\t@first red.release.gpu.global.add.u32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l", [count.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +317,7 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
 @gluon.jit
 def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
             lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
-            cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+            cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
             BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
     # The key block is k_smem.shape[0] tiles of 64 keys (2 at d64/d128, 1 at d256).
     NKV: gl.constexpr = k_smem.shape[0]
@@ -291,6 +340,8 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
                      lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
                      k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
                      BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)
+        if done_counts is not None:
+            _count_cta_done(done_counts, stored)
 
 
 @gluon.jit
@@ -549,8 +600,9 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-              stride_dv_h, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+              stride_dv_h, stored, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
+              COUNT_DONE: gl.constexpr):
     start_n = gl.program_id(0) * _BN
     kv_head = gl.program_id(1)
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
@@ -566,6 +618,8 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                       tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                       softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                       CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
+    if COUNT_DONE:
+        _warpgroup_writes_landed(stored)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -577,7 +631,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
 def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                           seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
-                          dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                          dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
                           BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
                           IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
@@ -611,7 +665,16 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=_NC)
         mbarrier.init(ds_free.index(i), count=_NC)
+    # With done counts (GluonBwdConfig.overlap_convert): both warpgroups' writes have landed.
+    COUNT_DONE: gl.constexpr = done_counts is not None
+    if COUNT_DONE:
+        stored = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        mbarrier.init(stored, count=_NC)
+    else:
+        stored = done  # unused
     fence_async_shared()
+    if COUNT_DONE:
+        _allow_dependent_launch()
 
     # Each consumer gets its index as a literal (a constexpr) in the inline argument tuple.
     gl.warp_specialize([
@@ -619,15 +682,17 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                     stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
+                     stride_dv_h, stored, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
+                     COUNT_DONE)),
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                     stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)),
+                     stride_dv_h, stored, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
+                     COUNT_DONE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
-                   lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                   lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
                    BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -886,9 +951,9 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                    q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                    seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                    cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                   stride_dv_h, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   stride_dv_h, stored, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HEAD_DIM_TRUE: gl.constexpr):
+                   HEAD_DIM_TRUE: gl.constexpr, COUNT_DONE: gl.constexpr):
     start_n = gl.program_id(0) * _KPC
     kv_head = gl.program_id(1)
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
@@ -904,6 +969,8 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                            tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                            softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                            CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
+    if COUNT_DONE:
+        _warpgroup_writes_landed(stored)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
@@ -911,7 +978,7 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
 def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                                seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
                                cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
-                               dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
+                               dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
                                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
                                IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
@@ -945,7 +1012,16 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=_NC)
         mbarrier.init(ds_free.index(i), count=_NC)
+    # With done counts (GluonBwdConfig.overlap_convert): both warpgroups' writes have landed.
+    COUNT_DONE: gl.constexpr = done_counts is not None
+    if COUNT_DONE:
+        stored = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        mbarrier.init(stored, count=_NC)
+    else:
+        stored = done  # unused
     fence_async_shared()
+    if COUNT_DONE:
+        _allow_dependent_launch()
 
     # Each consumer gets its index as a literal (a constexpr) in the inline argument tuple.
     gl.warp_specialize([
@@ -953,30 +1029,52 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                           q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                           seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
-                          stride_dv_s, stride_dv_h, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                          HEAD_DIM_TRUE)),
+                          stride_dv_s, stride_dv_h, stored, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
+                          HEAD_DIM_TRUE, COUNT_DONE)),
         (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                           q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                           seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
-                          stride_dv_s, stride_dv_h, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                          HEAD_DIM_TRUE)),
+                          stride_dv_s, stride_dv_h, stored, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
+                          HEAD_DIM_TRUE, COUNT_DONE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
-                   lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                   lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
                    BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @triton.jit
+def _load_acquire(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr.to(tl.int64, bitcast=True)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pause():
+    tl.inline_asm_elementwise("nanosleep.u32 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seqlen_q, nheads, scale, RowsEnd,
+                                DoneCounts, nheads_k, done_target,
                                 HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq (strided (b, sq, h, d) view) <- scale * acc (contiguous float32 (b, sq, h, d)).
     RowsEnd: None, or (varlen) a pointer to the packed total (cu_seqlens_q[-1]): rows past it
-    belong to no sequence and are left alone. BLOCK_D: HEAD_DIM padded to a power of two."""
+    belong to no sequence and are left alone. BLOCK_D: HEAD_DIM padded to a power of two.
+    DoneCounts: None, or (launched as a dependent of the Gluon backward, dense batches) its int32
+    (b, nheads_k) done counts: wait until this head's reaches done_target (see "The dQ convert
+    overlapped with the kernel's last CTAs")."""
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     h = tl.program_id(1)
     b = tl.program_id(2)
+    if DoneCounts is not None:
+        count = DoneCounts + b * nheads_k + h // (nheads // nheads_k)
+        done = _load_acquire(count)
+        while done < done_target:
+            _pause()
+            done = _load_acquire(count)
     offs_d = tl.arange(0, BLOCK_D)
     if RowsEnd is not None:
         ok = (rows < tl.minimum(tl.load(RowsEnd), seqlen_q))[:, None]
@@ -985,10 +1083,19 @@ def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seq
     if BLOCK_D != HEAD_DIM:
         ok = ok & (offs_d < HEAD_DIM)[None, :]
     acc_rows = ((b * seqlen_q + rows).to(tl.int64) * nheads + h) * HEAD_DIM
-    acc = tl.load(Acc + acc_rows[:, None] + offs_d[None, :], mask=ok, other=0.0)
+    # .cg: written at L2 by other SMs' reduce-adds while this program may already have been resident.
+    acc = tl.load(Acc + acc_rows[:, None] + offs_d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
     dq_ptrs = (DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
                + rows.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :])
     tl.store(dq_ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=ok)
+    if DoneCounts is not None:
+        last = ((tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
+                & (tl.program_id(2) == tl.num_programs(2) - 1))
+        if last:
+            # Stream order: what follows this kernel must find the backward kernel finished, not only
+            # every head counted. One program waiting for it is enough (this kernel ends with its last
+            # program), and leaves the others free to exit and make room.
+            gdc_wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1011,6 +1118,24 @@ def grads_supported(dout, dq, dk, dv) -> bool:
     """Whether dout, dk, dv are TMA-addressable (16-byte strides and bases); dq is written by a
     plain kernel and may be any view. The launcher copies through a contiguous buffer otherwise."""
     return all(tma_aligned(t) for t in (dout, dk, dv))
+
+
+def tma_addressable(dout, dk, dv) -> tuple:
+    """(dout, dk, dv, copy_back): the gradients as the kernel addresses them with TMA
+    (grads_supported). Views TMA cannot address (rare) are swapped for contiguous tensors: dout
+    copied, dk / dv fresh buffers that copy_back() copies into the given views once the backward
+    has run. copy_back is None when no buffer was needed."""
+    if not tma_aligned(dout):
+        dout = dout.contiguous()
+    dk_buf, dv_buf = (t if tma_aligned(t) else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (dk, dv))
+    if dk_buf is dk and dv_buf is dv:
+        return dout, dk, dv, None
+
+    def copy_back():
+        for view, buf in ((dk, dk_buf), (dv, dv_buf)):
+            if buf is not view:
+                view.copy_(buf)
+    return dout, dk_buf, dv_buf, copy_back
 
 
 def gluon_attention_backward(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale: float, causal: bool,
@@ -1065,9 +1190,10 @@ def _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta, cfg):
     return loads + stores + rows, gluon_attn_bwd_kernel, BLOCK_N, {"DQ_SPLIT_M": cfg.dq_split_m, **extra}
 
 
-def dq_accumulator(q) -> torch.Tensor:
-    """An (uninitialized) float32 dQ accumulator for make_launcher's dq_acc: shaped like q, contiguous."""
-    return torch.empty(q.shape, device=q.device, dtype=torch.float32)
+def dq_accumulator(q, device=None) -> torch.Tensor:
+    """An (uninitialized) float32 dQ accumulator for make_launcher's dq_acc: shaped like q, contiguous,
+    on q's device (or ``device``: "meta" gives a plan its layout without memory)."""
+    return torch.empty(q.shape, device=device or q.device, dtype=torch.float32)
 
 
 class BackwardPlan:
@@ -1088,7 +1214,6 @@ class BackwardPlan:
         n_seqs = cu_seqlens_q.numel() - 1 if varlen else batch
         self.templates, kernel_fn, block_n, extra = _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2,
                                                                           delta, cfg)
-        descriptors = self.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
         # Varlen: lse / delta are read with plain loads (a sequence's rows start at any offset); dK / dV of
         # a sequence's ragged last key tile are stored from registers.
         row_strides = (dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2)) if varlen else (None,) * 4
@@ -1098,22 +1223,26 @@ class BackwardPlan:
         grid = (triton.cdiv(max_seqlen_k, block_n), nheads_k, n_seqs)
         self.main = None if grid[0] == 0 else CompiledCall(
             kernel_fn, grid,
-            (*descriptors, seqlen_q, seqlen_k, nheads, nheads // nheads_k, padded_row_stride(seqlen_q),
-             softmax_scale * LOG2E, softmax_scale, None, None, None, None, None),
-            dict(dk_ptr=None, stride_dk_s=row_strides[0], stride_dk_h=row_strides[1], dv_ptr=None,
+            (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
+             padded_row_stride(seqlen_q), softmax_scale * LOG2E, softmax_scale, None, None, None, None, None),
+            dict(done_counts=None, dk_ptr=None, stride_dk_s=row_strides[0], stride_dk_h=row_strides[1], dv_ptr=None,
                  stride_dv_s=row_strides[2], stride_dv_h=row_strides[3], BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
                  CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal),
                  IS_VARLEN=varlen, num_warps=4, **extra),
             slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
                    "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
-                   "dv_ptr"))
+                   "dv_ptr", "done_counts"))
+        # Dense batches may overlap the convert with the kernel's last CTAs (see "The dQ convert
+        # overlapped with the kernel's last CTAs"): each CTA counts itself in once.
+        self.overlap_convert = cfg.overlap_convert and not varlen and self.main is not None
         convert_block = 32
         self.convert = CompiledCall(
             gluon_bwd_dq_convert_kernel, (triton.cdiv(seqlen_q, convert_block), nheads, batch),
             (dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale,
-             cu_seqlens_q[n_seqs:] if varlen else None),
-            dict(HEAD_DIM=head_dim, BLOCK_S=convert_block, BLOCK_D=padded_head_dim(head_dim), num_warps=4),
-            slots=("Acc", "DQ", "RowsEnd"))
+             cu_seqlens_q[n_seqs:] if varlen else None, None, nheads_k, grid[0]),
+            dict(HEAD_DIM=head_dim, BLOCK_S=convert_block, BLOCK_D=padded_head_dim(head_dim), num_warps=4,
+                 launch_pdl=self.overlap_convert),
+            slots=("Acc", "DQ", "RowsEnd", "DoneCounts"))
         self.n_seqs = n_seqs
 
     def descriptors(self, *tensors) -> tuple:
@@ -1121,22 +1250,30 @@ class BackwardPlan:
         return tuple(template(t) for template, t in zip(self.templates, tensors))
 
     def launch(self, descriptors, dq, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_q=None):
+               seqused_q=None, done_counts=None):
         """Runs the backward into dq_acc (zeroed by the caller), dk, dv, then dq <- dq_acc * scale, with
-        descriptors from :meth:`descriptors`. Returns the compiled Gluon kernel (the probes read its
-        registers), None for an empty grid."""
+        descriptors from :meth:`descriptors`. done_counts: with overlap_convert, the int32 (b, nheads_k)
+        counts from done_counts_buffer, zeroed by the caller. Returns the compiled Gluon kernel (the
+        probes read its registers), None for an empty grid."""
+        assert (done_counts is not None) == self.overlap_convert
         kernel = None
         if self.main is not None:
             if self.varlen:
-                kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv)
+                kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv, None)
             else:
-                kernel = self.main(*descriptors, None, None, None, None, None, None, None)
-        self.convert(dq_acc, dq, cu_seqlens_q[self.n_seqs:] if self.varlen else None)
+                kernel = self.main(*descriptors, None, None, None, None, None, None, None, done_counts)
+        self.convert(dq_acc, dq, cu_seqlens_q[self.n_seqs:] if self.varlen else None, done_counts)
         return kernel
 
-    def __call__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, **varlen):
+    def __call__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, done_counts=None, **varlen):
         descriptors = self.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
-        return self.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, **varlen)
+        return self.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts, **varlen)
+
+
+def done_counts_buffer(q, k, device=None) -> torch.Tensor:
+    """The (uninitialized) int32 (b, nheads_k) done counts a BackwardPlan with overlap_convert takes,
+    on q's device (or ``device``, as dq_accumulator)."""
+    return torch.empty((q.shape[0], k.shape[2]), device=device or q.device, dtype=torch.int32)
 
 
 def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, causal, config, *,
@@ -1179,14 +1316,7 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
 
     # TMA coordinates are int32; lse / delta rows are addressed flat.
     assert batch * nheads * seqlen_q < 2**31 and batch * seqlen_k < 2**31
-    if not tma_aligned(dout):
-        dout = dout.contiguous()
-    # dK / dV views TMA cannot address (rare): write a contiguous buffer, copy back after.
-    dk_out, dv_out = dk, dv
-    if not tma_aligned(dk):
-        dk = torch.empty(dk.shape, device=dk.device, dtype=dk.dtype)
-    if not tma_aligned(dv):
-        dv = torch.empty(dv.shape, device=dv.device, dtype=dv.dtype)
+    dout, dk, dv, copy_back = tma_addressable(dout, dk, dv)
     zero_dq_acc = dq_acc is None
     if zero_dq_acc:
         dq_acc = dq_accumulator(q)
@@ -1195,15 +1325,16 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
     varlen_args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q)
     plan = BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, softmax_scale, causal, config,
                         max_seqlen_k=max_seqlen_k, **varlen_args)
+    done_counts = done_counts_buffer(q, k) if plan.overlap_convert else None
 
     def launch():
         if zero_dq_acc:
             dq_acc.zero_()
-        kernel = plan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, **varlen_args)
-        if dk is not dk_out:
-            dk_out.copy_(dk)
-        if dv is not dv_out:
-            dv_out.copy_(dv)
+        if done_counts is not None:
+            done_counts.zero_()
+        kernel = plan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, done_counts, **varlen_args)
+        if copy_back is not None:
+            copy_back()
         return kernel
     return launch
 

@@ -851,10 +851,9 @@ class ForwardPlan:
         self.o_tiles = DescriptorTemplate(out, ROWS_PER_CONSUMER, block_d)
         self.k_tiles = DescriptorTemplate(k, cfg.block_n, block_d)
         self.v_tiles = DescriptorTemplate(v, cfg.block_n, block_d)
-        descriptors = self.descriptors(q, k, v, out)
         self.call = CompiledCall(
             gluon_attn_fwd_kernel, grid,
-            (*descriptors, lse, *lse_strides, seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch,
+            (None, None, None, None, lse, *lse_strides, seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch,
              softmax_scale * LOG2E, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, out if varlen else None,
              *out_strides),
             dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,

@@ -371,12 +371,13 @@ class PortableForward:
                       seqs.seqused_k, seqs.block_table, seqs.key_shift)
 
 
-def row_stats_buffers(lse: torch.Tensor) -> tuple:
+def row_stats_buffers(lse: torch.Tensor, device=None) -> tuple:
     """Two float32 buffers shaped like lse (b, h, sq) for the backward's delta and lse_log2, rows
-    padded to a multiple of 4 values (the Hopper backward streams them in 16-byte aligned boxes)."""
+    padded to a multiple of 4 values (the Hopper backward streams them in 16-byte aligned boxes).
+    On lse's device, or ``device`` ("meta": their layout for a plan, without memory)."""
     batch, nheads, seqlen_q = lse.shape
     padded = (seqlen_q + 3) // 4 * 4
-    buf = torch.empty((2, batch, nheads, padded), device=lse.device, dtype=torch.float32)
+    buf = torch.empty((2, batch, nheads, padded), device=device or lse.device, dtype=torch.float32)
     return buf[0, :, :, :seqlen_q], buf[1, :, :, :seqlen_q]
 
 
@@ -400,12 +401,14 @@ def gluon_head_chunks(batch: int, seqlen_q: int, nheads: int, nheads_k: int, hea
 
 
 def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None,
-                      block_m: int = 64, num_warps: int = 4, zero: Optional[torch.Tensor] = None) -> None:
+                      block_m: int = 64, num_warps: int = 4, zero: Optional[torch.Tensor] = None,
+                      zero_counts: Optional[torch.Tensor] = None) -> None:
     """delta <- rowsum(dout * out), lse_log2 <- lse * log2(e) (+inf for rows without keys).
     zero: None, or a float32 tensor shaped like out whose rows (each sequence's used rows, when
-    packed) are zeroed in the same pass."""
-    preprocess_call(out, dout, lse, delta, lse_log2, seqs, block_m, num_warps, zero)(
-        out, dout, lse, delta, lse_log2, zero, *_preprocess_seq_tensors(seqs))
+    packed) are zeroed in the same pass. zero_counts: None, or an int32 (batch, nheads_k) tensor
+    zeroed too (nheads_k <= the heads of out)."""
+    preprocess_call(out, dout, lse, delta, lse_log2, seqs, block_m, num_warps, zero, zero_counts)(
+        out, dout, lse, delta, lse_log2, zero, zero_counts, *_preprocess_seq_tensors(seqs))
 
 
 def _preprocess_seq_tensors(seqs: Optional[PackedSeqs]) -> tuple:
@@ -414,21 +417,26 @@ def _preprocess_seq_tensors(seqs: Optional[PackedSeqs]) -> tuple:
 
 
 def preprocess_call(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None, block_m: int = 64,
-                    num_warps: int = 4, zero: Optional[torch.Tensor] = None) -> CompiledCall:
+                    num_warps: int = 4, zero: Optional[torch.Tensor] = None,
+                    zero_counts: Optional[torch.Tensor] = None) -> CompiledCall:
     """:func:`launch_preprocess` for these tensors' signature, as a CompiledCall taking (out, dout,
-    lse, delta, lse_log2, zero, cu_seqlens_q, seqused_q)."""
+    lse, delta, lse_log2, zero, zero_counts, cu_seqlens_q, seqused_q)."""
     batch, max_seqlen_q, _ = _grid_lengths(out, out, seqs)
     nheads, head_dim = out.shape[2], out.shape[3]
     if zero is not None:
         assert zero.dtype == torch.float32 and zero.shape == out.shape and zero.stride(-1) == 1
+    if zero_counts is not None:
+        assert zero_counts.dtype == torch.int32 and zero_counts.is_contiguous() and zero_counts.dim() == 2
+        assert zero_counts.shape[0] == batch and zero_counts.shape[1] <= nheads
     return CompiledCall(
         attn_bwd_preprocess_kernel, (triton.cdiv(max_seqlen_q, block_m), nheads, batch),
         (out, dout, lse, delta, lse_log2, *_bsh_strides(out), *_bsh_strides(dout), *_bh_strides(lse),
          *_bh_strides(delta), *_preprocess_seq_tensors(seqs), zero,
-         *(_bsh_strides(zero) if zero is not None else (0, 0, 0)), nheads, out.shape[1]),
+         *(_bsh_strides(zero) if zero is not None else (0, 0, 0)), zero_counts,
+         0 if zero_counts is None else zero_counts.shape[1], nheads, out.shape[1]),
         dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, IS_VARLEN=seqs is not None,
              num_warps=num_warps),
-        slots=("Out", "DOut", "Lse", "Delta", "LseLog2", "ZeroRows", "CuSeqlensQ", "SeqUsedQ"))
+        slots=("Out", "DOut", "Lse", "Delta", "LseLog2", "ZeroRows", "ZeroCounts", "CuSeqlensQ", "SeqUsedQ"))
 
 
 class GluonBackward:
@@ -443,28 +451,100 @@ class GluonBackward:
         from .gluon_backward import BackwardPlan, dq_accumulator
 
         assert seqs is None or seqs.seqused_q is None
-        self.seqs = seqs
-        self.varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
-                                                    seqused_q=seqs.seqused_q)
-        delta, lse_log2 = row_stats_buffers(lse)
-        dq_acc = dq_accumulator(q)
-        self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
-                                          zero=dq_acc)
+        # The plan needs the layouts of the buffers each call allocates, not memory.
+        delta, lse_log2 = row_stats_buffers(lse, device="meta")
+        dq_acc = dq_accumulator(q, device="meta")
         self.kernels = BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, params.softmax_scale,
-                                    params.causal, cfg, max_seqlen_k=_grid_lengths(q, k, seqs)[2], **self.varlen)
+                                    params.causal, cfg, max_seqlen_k=_grid_lengths(q, k, seqs)[2],
+                                    **_gluon_seq_tensors(seqs))
+        done_counts = self._done_counts(q, k, device="meta")
+        self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
+                                          zero=dq_acc, zero_counts=done_counts)
 
-    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv):
+    def _done_counts(self, q, k, device=None) -> Optional[torch.Tensor]:
+        from .gluon_backward import done_counts_buffer
+
+        return done_counts_buffer(q, k, device) if self.kernels.overlap_convert else None
+
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, seqs: Optional[PackedSeqs] = None):
         from .gluon_backward import dq_accumulator
 
         # The host work (buffers, TMA descriptors) comes before the preprocess kernel, so that the
         # preprocess, backward and dQ-convert kernels go out back to back: done between them, it left
-        # the GPU idle after the short preprocess. The preprocess zeroes the accumulator as it goes (a
-        # memset of its own cost 29 us per 16k tokens at hidden 2048).
+        # the GPU idle after the short preprocess. The preprocess zeroes the accumulator (and the
+        # done counts) as it goes (a memset of its own cost 29 us per 16k tokens at hidden 2048).
         delta, lse_log2 = row_stats_buffers(lse)
         dq_acc = dq_accumulator(q)
+        done_counts = self._done_counts(q, k)
         descriptors = self.kernels.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
-        self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, *_preprocess_seq_tensors(self.seqs))
-        self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, **self.varlen)
+        self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, done_counts, *_preprocess_seq_tensors(seqs))
+        self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts,
+                            **_gluon_seq_tensors(seqs))
+
+
+def _gluon_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:
+    """The packed-batch keyword arguments of gluon_backward.BackwardPlan."""
+    if seqs is None:
+        return {}
+    return dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k, seqused_q=seqs.seqused_q)
+
+
+# The tensor arguments of the portable dK/dV and dQ kernels that change from call to call.
+_PORTABLE_BWD_SLOTS = ("Q", "K", "V", "DOut", "LseLog2", "Delta", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ", "SeqUsedK",
+                       "AlibiSlopes", "DropoutSeed")
+
+
+def _portable_bwd_call(kernel: str, q, k, v, dout, delta, grads: tuple, params: ScoreParams, cfg,
+                       seqs: Optional[PackedSeqs]) -> CompiledCall:
+    """The portable dK/dV (kernel BWD_DKDV, grads (dk, dv)) or dQ (BWD_DQ, grads (dq,)) launch,
+    taking _portable_bwd_tensors(...) + grads."""
+    batch, max_seqlen_q, max_seqlen_k = _grid_lengths(q, k, seqs)
+    if kernel == BWD_DKDV:
+        fn, grid, names = attn_bwd_dkdv_kernel, (triton.cdiv(max_seqlen_k, cfg.block_n), k.shape[2], batch), ("DK", "DV")
+    else:
+        fn, grid, names = attn_bwd_dq_kernel, (triton.cdiv(max_seqlen_q, cfg.block_m), q.shape[2], batch), ("DQ",)
+    grad_strides = [s for g in grads for s in _bsh_strides(g)]
+    return CompiledCall(
+        fn, grid,
+        (q, k, v, dout, None, delta, *grads, *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v),
+         *_bsh_strides(dout), *grad_strides, *_bh_strides(delta)),
+        dict(**_seq_args(seqs), softmax_scale=params.softmax_scale, **_shape_args(q, k), **params.kernel_args(q.dtype),
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs()),
+        slots=_PORTABLE_BWD_SLOTS + names)
+
+
+def _portable_bwd_tensors(q, k, v, dout, lse_log2, delta, alibi_slopes, dropout_seed,
+                          seqs: Optional[PackedSeqs]) -> tuple:
+    """The values of _PORTABLE_BWD_SLOTS for one call."""
+    seq = _seq_args(seqs)
+    return (q, k, v, dout, lse_log2, delta, seq["CuSeqlensQ"], seq["CuSeqlensK"], seq["SeqUsedQ"], seq["SeqUsedK"],
+            alibi_slopes, dropout_seed)
+
+
+class PortableBackward:
+    """The portable backward of one call signature (kernels/plans.py): the preprocess (delta,
+    lse_log2), the dK/dV kernel (one program per key block, summing over its query blocks) and
+    the dQ kernel (one per query block): every gradient summed in a fixed order, so the result is
+    deterministic. Serves every backward the Hopper one does not (other GPUs, deterministic=True,
+    softcap, ALiBi, windows, dropout)."""
+
+    def __init__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg, dkdv_cfg, dq_cfg,
+                 seqs: Optional[PackedSeqs] = None):
+        delta, lse_log2 = row_stats_buffers(lse, device="meta")
+        self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps)
+        # No key: no dK / dV to compute (dq still gets its zeros from the dQ kernel).
+        self.dkdv = None if k.shape[1] == 0 else _portable_bwd_call(BWD_DKDV, q, k, v, dout, delta, (dk, dv), params,
+                                                                     dkdv_cfg, seqs)
+        self.dq = _portable_bwd_call(BWD_DQ, q, k, v, dout, delta, (dq,), params, dq_cfg, seqs)
+
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes=None, dropout_seed=None,
+                 seqs: Optional[PackedSeqs] = None):
+        delta, lse_log2 = row_stats_buffers(lse)
+        self.preprocess(out, dout, lse, delta, lse_log2, None, None, *_preprocess_seq_tensors(seqs))
+        tensors = _portable_bwd_tensors(q, k, v, dout, lse_log2, delta, alibi_slopes, dropout_seed, seqs)
+        if self.dkdv is not None:
+            self.dkdv(*tensors, dk, dv)
+        self.dq(*tensors, dq)
 
 
 def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
@@ -478,9 +558,6 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     Packed batches: as :func:`attention_forward`; dk / dv rows of tokens past seqused_k
     are not written (the caller zero-fills them).
     """
-    batch, max_seqlen_q, max_seqlen_k = _grid_lengths(q, k, seqs)
-    nheads, head_dim = q.shape[2], q.shape[3]
-    nheads_k = k.shape[2]
     if dq.numel() == 0 and dk.numel() == 0:
         return
     if dq.numel() == 0 or q.shape[1] == 0:
@@ -488,76 +565,88 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         dk.zero_()
         dv.zero_()
         return
-    plan_key = None if deterministic or seqs is not None else _plan_key(params, q, k, v, out, dout, lse, dq, dk, dv)
-    plan = None if plan_key is None else _BACKWARD_PLANS.get(plan_key)
-    if plan is not None:
-        plan(q, k, v, out, dout, lse, dq, dk, dv)
-        return
+    plan_key = None if seqs is not None else _plan_key(params, q, k, v, out, dout, lse, dq, dk, dv)
+    if plan_key is not None:
+        plan_key = (deterministic, *plan_key)
+        plan = _BACKWARD_PLANS.get(plan_key)
+        if plan is not None:
+            plan(q, k, v, out, dout, lse, dq, dk, dv)
+            return
     arch = arch_of(q.device)
-    shape = _shape_args(q, k)
-    score = params.kernel_args(q.dtype)
-    seq_args = _seq_args(seqs)
-
+    head_dim = q.shape[3]
+    max_seqlen_k = _grid_lengths(q, k, seqs)[2]
     pre_cfg = get_config(BWD_PREPROCESS, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
     gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None:
-        from .gluon_backward import CANDIDATES
+        plan = _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params, gluon_cfg, pre_cfg, seqs)
+    else:
+        plan = _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, seqs)
+    if plan_key is not None and plan is not None:
+        _BACKWARD_PLANS.put(plan_key, plan)
 
-        # TMA addresses dout, dk and dv: views it cannot (rare) go through aligned buffers.
-        dk_out, dv_out, dout_in = dk, dv, dout
-        if not tma_aligned(dout):
-            dout = dout.contiguous()
-        if not tma_aligned(dk):
-            dk = torch.empty(dk.shape, device=dk.device, dtype=dk.dtype)
-        if not tma_aligned(dv):
-            dv = torch.empty(dv.shape, device=dv.device, dtype=dv.dtype)
-        # The Gluon backward adds dQ up in a float32 (b, sq, h, d) buffer: at long context, run it
-        # a few heads at a time so that buffer stays small next to the inputs and gradients.
-        chunks = gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim)
-        for h0, h1, hk0, hk1 in chunks:
-            if len(chunks) == 1:
-                chunk = (q, k, v, out, dout, lse, dq, dk, dv)
-            else:
-                chunk = (q[:, :, h0:h1], k[:, :, hk0:hk1], v[:, :, hk0:hk1], out[:, :, h0:h1], dout[:, :, h0:h1],
-                         lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
 
-            def run_gluon(cfg, chunk=chunk):
-                GluonBackward(*chunk, params, cfg, pre_cfg, seqs)(*chunk)
-            cfg = _tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon)
-            plan = GluonBackward(*chunk, params, cfg, pre_cfg, seqs)
-            plan(*chunk)
-        if dk is not dk_out:
-            dk_out.copy_(dk)
-        if dv is not dv_out:
-            dv_out.copy_(dv)
-        if plan_key is not None and len(chunks) == 1 and dout is dout_in and dk is dk_out and dv is dv_out:
-            _BACKWARD_PLANS.put(plan_key, plan)
-        return
-    delta, lse_log2 = row_stats_buffers(lse)
-    launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps)
-    common = (*_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(dout))
+def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gluon_cfg, pre_cfg,
+                    seqs: Optional[PackedSeqs]) -> Optional[GluonBackward]:
+    """attention_backward on the Hopper kernels; returns the plan when one launch on the given
+    tensors did it all (no head chunks, no copies: a plan later calls may replay)."""
+    from .gluon_backward import CANDIDATES, tma_addressable
 
-    def run_dkdv(cfg):
-        attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg.block_n), nheads_k, batch)](
-            q, k, v, dout, lse_log2, delta, dk, dv,
-            *common, *_bsh_strides(dk), *_bsh_strides(dv), *_bh_strides(delta), **seq_args,
-            softmax_scale=params.softmax_scale, **shape, **score,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
-        )
+    dout_given = dout
+    dout, dk, dv, copy_back = tma_addressable(dout, dk, dv)
+    # The Gluon backward adds dQ up in a float32 (b, sq, h, d) buffer: at long context, run it
+    # a few heads at a time so that buffer stays small next to the inputs and gradients.
+    nheads, nheads_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    chunks = gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim)
+    max_seqlen_k = _grid_lengths(q, k, seqs)[2]
+    for h0, h1, hk0, hk1 in chunks:
+        if len(chunks) == 1:
+            chunk = (q, k, v, out, dout, lse, dq, dk, dv)
+        else:
+            chunk = (q[:, :, h0:h1], k[:, :, hk0:hk1], v[:, :, hk0:hk1], out[:, :, h0:h1], dout[:, :, h0:h1],
+                     lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
 
-    def run_dq(cfg):
-        attn_bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
-            q, k, v, dout, lse_log2, delta, dq,
-            *common, *_bsh_strides(dq), *_bh_strides(delta), **seq_args,
-            softmax_scale=params.softmax_scale, **shape, **score,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs(),
-        )
+        def run_gluon(cfg, chunk=chunk):
+            GluonBackward(*chunk, params, cfg, pre_cfg, seqs)(*chunk, seqs)
+        cfg = _tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon)
+        plan = GluonBackward(*chunk, params, cfg, pre_cfg, seqs)
+        plan(*chunk, seqs)
+    if copy_back is not None:
+        copy_back()
+    return plan if len(chunks) == 1 and dout is dout_given and copy_back is None else None
 
-    if k.shape[1] > 0:
-        cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
-        run_dkdv(_tuned(BWD_DKDV, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[BWD_DKDV], run_dkdv))
-    cfg = get_config(BWD_DQ, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
-    run_dq(_tuned(BWD_DQ, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[BWD_DQ], run_dq))
+
+def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg,
+                       seqs: Optional[PackedSeqs]) -> PortableBackward:
+    """attention_backward on the portable kernels; returns the plan."""
+    arch, head_dim = arch_of(q.device), q.shape[3]
+    max_seqlen_k = _grid_lengths(q, k, seqs)[2]
+    dkdv_cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    dq_cfg = get_config(BWD_DQ, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    if autotune.enabled() and q.is_cuda:
+        prepared = []
+
+        def prepared_tensors() -> tuple:
+            # Timing a dK/dV or dQ config needs this call's delta and lse_log2 (once, and only if a
+            # config is timed: the choices are remembered on disk).
+            if not prepared:
+                delta, lse_log2 = row_stats_buffers(lse)
+                launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps)
+                prepared.append((delta, _portable_bwd_tensors(q, k, v, dout, lse_log2, delta, params.alibi_slopes,
+                                                              params.dropout_seed, seqs)))
+            return prepared[0]
+
+        def time_config(kernel, cfg):
+            delta, tensors = prepared_tensors()
+            grads = (dk, dv) if kernel == BWD_DKDV else (dq,)
+            _portable_bwd_call(kernel, q, k, v, dout, delta, grads, params, cfg, seqs)(*tensors, *grads)
+        if k.shape[1] > 0:
+            dkdv_cfg = _tuned(BWD_DKDV, q, params, max_seqlen_k, dkdv_cfg, PORTABLE_CANDIDATES[BWD_DKDV],
+                              lambda c: time_config(BWD_DKDV, c))
+        dq_cfg = _tuned(BWD_DQ, q, params, max_seqlen_k, dq_cfg, PORTABLE_CANDIDATES[BWD_DQ],
+                        lambda c: time_config(BWD_DQ, c))
+    plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
+    plan(q, k, v, out, dout, lse, dq, dk, dv, params.alibi_slopes, params.dropout_seed, seqs)
+    return plan
 
 
 def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,

@@ -65,10 +65,23 @@ def _current_stream() -> int:
     return driver.active.get_current_stream(driver.active.get_current_device())
 
 
+_REQUIRED = object()  # a parameter without a default, in _Signature.defaults
+
+
+class _Signature:
+    """The parameters of a @triton.jit / @gluon.jit function (compiled or interpreted), in order:
+    names, index by name, and defaults (_REQUIRED where there is none)."""
+
+    def __init__(self, fn):
+        params = tuple(inspect.signature(fn.fn).parameters.values())
+        self.names = tuple(p.name for p in params)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.defaults = tuple(_REQUIRED if p.default is p.empty else p.default for p in params)
+
+
 @functools.lru_cache(maxsize=None)
-def _parameters(fn) -> tuple:
-    """The parameters of a @triton.jit / @gluon.jit function (compiled or interpreted), in order."""
-    return tuple(inspect.signature(fn.fn).parameters.values())
+def _signature(fn) -> _Signature:
+    return _Signature(fn)
 
 
 class CompiledCall:
@@ -84,19 +97,26 @@ class CompiledCall:
     def __init__(self, fn, grid: Sequence[int], args: Sequence, kwargs: dict, slots: Sequence[str]):
         self.fn = fn
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        params = _parameters(fn)
-        self.names = names = [p.name for p in params]
-        values = dict(zip(names, args))
-        values.update((name, kwargs[name]) for name in names if name in kwargs)
-        missing = [p.name for p in params if p.name not in values and p.default is p.empty]
-        assert not missing, f"{fn}: no value for {missing}"
-        self.template = [values[p.name] if p.name in values else p.default for p in params]
-        self.options = {name: value for name, value in kwargs.items() if name not in values}
-        self.slot_index = [names.index(name) for name in slots]
+        signature = _signature(fn)
+        self.names = signature.names
+        template = list(signature.defaults)
+        template[:len(args)] = args
+        self.options = {}
+        for name, value in kwargs.items():
+            index = signature.index.get(name)
+            if index is None:
+                self.options[name] = value  # a launch option (num_warps, ...)
+            else:
+                template[index] = value
+        self.slot_index = [signature.index[name] for name in slots]
         for index in self.slot_index:
-            # Every call passes its own slot values: a cached plan must not keep the first call's
-            # tensors (activations, gradients, the float32 dQ accumulator) alive.
-            self.template[index] = None
+            # Every call passes its own slot values (the values given here only hold the place): a
+            # cached plan must not keep the first call's tensors (activations, gradients, the float32
+            # dQ accumulator) alive.
+            template[index] = None
+        missing = [name for name, value in zip(self.names, template) if value is _REQUIRED]
+        assert not missing, f"{fn}: no value for {missing}"
+        self.template = template
         self.kernel = None
 
     def __call__(self, *slot_values):
