@@ -626,6 +626,38 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
 # Kernels
 # ----------------------------------------------------------------------------------------------
 
+@gluon.jit
+def _barriers(NUM_STAGES: gl.constexpr, COUNT_DONE: gl.constexpr):
+    """The mbarriers both backward kernels share, initialized: kv_ready (K, V landed), done (both
+    warpgroups finished their key block), the Q/dO ring's q_ready / q_empty, the dS buffers'
+    ds_ready / ds_free, and with COUNT_DONE stored (both warpgroups' writes landed; else done
+    stands in, unused). With COUNT_DONE this CTA also allows the dependent convert to launch."""
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(done, count=_NC)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=_NC)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=_NC)
+        mbarrier.init(ds_free.index(i), count=_NC)
+    if COUNT_DONE:
+        stored = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        mbarrier.init(stored, count=_NC)
+    else:
+        stored = done
+    fence_async_shared()
+    if COUNT_DONE:
+        _allow_dependent_launch()
+    return kv_ready, done, q_ready, q_empty, ds_ready, ds_free, stored
+
+
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
                               "stride_dk_h", "stride_dv_s", "stride_dv_h"])
 def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
@@ -650,31 +682,9 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
     # dQ share of each warpgroup, staged for the TMA reduce-add.
     dq_smem = gl.allocate_shared_memory(gl.float32, [_NC] + dq_desc.block_type.shape, dq_desc.layout)
 
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    mbarrier.init(kv_ready, count=1)
-    mbarrier.init(done, count=_NC)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=_NC)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=_NC)
-        mbarrier.init(ds_free.index(i), count=_NC)
-    # With done counts (GluonBwdConfig.overlap_convert): both warpgroups' writes have landed.
+    # With done counts (GluonBwdConfig.overlap_convert), the convert may launch once every CTA has started.
     COUNT_DONE: gl.constexpr = done_counts is not None
-    if COUNT_DONE:
-        stored = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        mbarrier.init(stored, count=_NC)
-    else:
-        stored = done  # unused
-    fence_async_shared()
-    if COUNT_DONE:
-        _allow_dependent_launch()
+    kv_ready, done, q_ready, q_empty, ds_ready, ds_free, stored = _barriers(NUM_STAGES, COUNT_DONE)
 
     # Each consumer gets its index as a literal (a constexpr) in the inline argument tuple.
     gl.warp_specialize([
@@ -997,31 +1007,9 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     p_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
 
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    mbarrier.init(kv_ready, count=1)
-    mbarrier.init(done, count=_NC)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=_NC)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=_NC)
-        mbarrier.init(ds_free.index(i), count=_NC)
-    # With done counts (GluonBwdConfig.overlap_convert): both warpgroups' writes have landed.
+    # With done counts (GluonBwdConfig.overlap_convert), the convert may launch once every CTA has started.
     COUNT_DONE: gl.constexpr = done_counts is not None
-    if COUNT_DONE:
-        stored = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-        mbarrier.init(stored, count=_NC)
-    else:
-        stored = done  # unused
-    fence_async_shared()
-    if COUNT_DONE:
-        _allow_dependent_launch()
+    kv_ready, done, q_ready, q_empty, ds_ready, ds_free, stored = _barriers(NUM_STAGES, COUNT_DONE)
 
     # Each consumer gets its index as a literal (a constexpr) in the inline argument tuple.
     gl.warp_specialize([
