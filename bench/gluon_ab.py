@@ -10,7 +10,7 @@ Triton backward's gradients).
 Variants: ``base:<config>`` runs the baseline module, ``new:<config>`` the working one, ``X:<config>``
 a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py (several experiments in one run); <config> is
 ``table`` (the committed table entry for the point) or a name in VARIANTS (forward) or in
-gluon_backward.CANDIDATES (backward), for the backward optionally with "+oc" (overlap_convert). Also timed:
+gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+g8``, ``+f1``. Also timed:
 torch SDPA's cuDNN backend (the ratios' anchor; its backward through autograd). Prints a table of
 TFLOP/s, writes gluon_ab_<mode>.json. The baseline copies are scratch files: do not commit them.
 """
@@ -67,20 +67,39 @@ def variant_module(side, mode):
     return importlib.import_module(f"flashtile.kernels._{prefix}_gluon_{'backward' if mode == 'bwd' else 'forward'}")
 
 
+def group_for_factor(cfg, d, seqlen, factor):
+    """The forward's heads_per_group at a sweep point (16k tokens, hidden 2048) for a factor of
+    resident CTAs (one per SM)."""
+    from flashtile.kernels.tile_order import heads_per_group
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return heads_per_group(-(-seqlen // cfg.block_m), max(16384 // seqlen, 1) * (2048 // d), sms, factor)
+
+
 def resolve(spec, d, causal, seqlen, mode="fwd"):
+    """(module, config) of a variant spec. Suffixes: +oc (backward) the dQ convert overlapped
+    (GluonBwdConfig.overlap_convert); forward: +gN heads_per_group = N (kernels/tile_order.py), +fN
+    the group size tile_order.heads_per_group gives with factor N."""
     side, name = spec.split(":")
     module = variant_module(side, mode)
+    name, *suffixes = name.split("+")
     if mode == "bwd":
-        # <config>+oc: that config with the dQ convert overlapped (GluonBwdConfig.overlap_convert).
-        name, _, suffix = name.partition("+")
         if name == "table":
             cfg = table_config(BWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen)
         else:
             cfg = module.CANDIDATES[d][name]
+    else:
+        cfg = table_config(FWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen) if name == "table" else VARIANTS[name]
+    for suffix in suffixes:
+        if cfg is None:
+            break
         if suffix == "oc":
             cfg = dataclasses.replace(cfg, overlap_convert=True)
-        return module, cfg
-    cfg = table_config(FWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen) if name == "table" else VARIANTS[name]
+        elif suffix.startswith("f"):  # the group size tile_order.heads_per_group gives with this factor
+            cfg = dataclasses.replace(cfg, heads_per_group=group_for_factor(cfg, d, seqlen, int(suffix[1:])))
+        else:
+            assert suffix.startswith("g"), spec
+            cfg = dataclasses.replace(cfg, heads_per_group=int(suffix[1:]))
     return module, cfg
 
 

@@ -65,6 +65,9 @@ class GluonFwdConfig:
     time where the matmuls do. l then sums the bf16 / fp16 P that P V multiplies, so lse
     carries P's rounding: at most 4e-3 (bf16) / 5e-4 (fp16) off, against ~1e-6 otherwise
     (a bf16 number's own rounding is 4e-3).
+    heads_per_group: causal grids that are not persistent (dense batches) run groups of this
+    many (batch, head) pairs, each group's longest tiles first (kernels/tile_order.py); 1: one
+    head after another, each longest tile first; 0: groups of about one CTA per SM.
     """
 
     block_n: int
@@ -75,6 +78,7 @@ class GluonFwdConfig:
     pingpong: bool = False
     persistent: bool = False
     row_sum_mma: bool = False
+    heads_per_group: int = 1
 
     @property
     def block_m(self) -> int:
@@ -246,7 +250,9 @@ _TUNED: dict = {
             Rule(128, GluonFwdConfig(128, 2, pingpong=True, persistent=True), causal=True, max_seqlen_k=16384),
             Rule(128, GluonFwdConfig(128, 2), causal=True),
             # (A persistent d256 CTA would need 256 KB of shared memory with its O staging buffer.)
-            Rule(256, GluonFwdConfig(64, 2, pingpong=True)),
+            # Causal: groups of heads, each group's longest tiles first: +1.5-4% over one head after
+            # another at 1k-16k (bench/results/2026-11-21-h200-tile-order/); at d64 / d128 it lost.
+            Rule(256, GluonFwdConfig(64, 2, pingpong=True, heads_per_group=0)),
         ],
         BWD_GLUON: [
             Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),

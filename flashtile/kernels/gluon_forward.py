@@ -40,10 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper import DescriptorTemplate, qkv_supported
+from .hopper import DescriptorTemplate, multiprocessors, qkv_supported
 from .plans import CompiledCall
+from .tile_order import grouped_tile_order, heads_per_group
 from ..configs import GluonFwdConfig, padded_head_dim
-from ..runtime import multiprocessor_count
 
 LOG2E = 1.4426950408889634
 
@@ -114,14 +114,15 @@ def _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N
 
 @gluon.jit
 def _tile_info(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
-               BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
+               heads_per_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
     """What this CTA works on: (start_m, head, kv head, batch, q_start, k_start, seqlen_q, seqlen_k,
     rows_end, valid). start_m is relative to its sequence, whose rows start at q_start and keys at
     k_start; seqlen_q / seqlen_k are the rows / keys the sequence uses, rows_end its rows (>= seqlen_q,
     the rows past seqlen_q get out 0 and lse -inf); valid: the tile starts inside the sequence.
     Dense: batch is the TMA batch coordinate and every offset is 0. Varlen: the sequences are packed
     along a batch-1 tensor, batch is the sequence, the TMA batch coordinate is 0.
-    Causal: the longest tiles (the most key blocks) launch first."""
+    Causal: the longest tiles (the most key blocks) launch first; dense grids with heads_per_group
+    (not None) go through groups of that many (batch, head) pairs (tile_order.py)."""
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -145,6 +146,9 @@ def _tile_info(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqle
         valid = (start_m >= 0) & (start_m < rows_end)
     else:
         if CAUSAL:
+            if heads_per_group is not None:
+                pid_m, head, batch = grouped_tile_order(pid_m, head, batch, gl.num_programs(0), gl.num_programs(1),
+                                                        gl.num_programs(2), heads_per_group)
             pid_m = gl.num_programs(0) - 1 - pid_m
         start_m = pid_m * BLOCK_M
         q_start = 0
@@ -244,7 +248,7 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            heads_per_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
             NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
             PERSISTENT: gl.constexpr):
     if PERSISTENT:
@@ -262,8 +266,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                 tile_iter += 1
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
-            IS_VARLEN)
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
+            BLOCK_M, CAUSAL, IS_VARLEN)
         n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
                                           seqused_q is not None)
         if IS_VARLEN:
@@ -596,8 +600,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
               turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
-              cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
-              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group,
+              qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
               ROW_SUM_MMA: gl.constexpr):
@@ -623,8 +627,8 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
         tma.store_wait(0)
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, BLOCK_M, CAUSAL,
-            IS_VARLEN)
+            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
+            BLOCK_M, CAUSAL, IS_VARLEN)
         n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
                                           seqused_q is not None)
         if IS_VARLEN:
@@ -654,9 +658,9 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
 # u = program_id, program_id + num_programs, ... (see _dense_units); otherwise one CTA per
 # (query block, head, batch) of the grid.
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group",
-                              "n_batch", "stride_o_s", "stride_o_h"])
+                              "n_batch", "heads_per_group", "stride_o_s", "stride_o_h"])
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h,
-                          seqlen_q, seqlen_k, nheads, head_group, n_batch, qk_scale_log2,
+                          seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group, qk_scale_log2,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o_ptr, stride_o_s, stride_o_h,
                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -714,39 +718,39 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
-                       head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
-                       PERSISTENT)),
+                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                       IS_VARLEN, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         n_batch, heads_per_group, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
-                       head_group, n_batch, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, IS_VARLEN,
-                       PERSISTENT)),
+                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                       IS_VARLEN, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
@@ -780,12 +784,6 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
 def _launch(q, k, v, out, lse, softmax_scale, causal, config, **varlen):
     """Launches and returns the compiled kernel (the probe reads its register/spill counts)."""
     return make_launcher(q, k, v, out, lse, softmax_scale, causal, config, **varlen)()
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # compile checks on CPU tensors (an H100 SXM / H200)
-    return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -834,6 +832,11 @@ class ForwardPlan:
             lse_strides = (lse.stride(0), lse.stride(1))
             out_strides = (None, None)
             persistent = cfg.persistent
+        # Causal per-tile grids (dense) take their tiles longest first, a group of heads at a time
+        # (tile_order.py); None: one head after another (no remap compiled in).
+        group = None
+        if causal and not varlen and not persistent and cfg.heads_per_group != 1:
+            group = cfg.heads_per_group or heads_per_group(grid[0], grid[1] * grid[2], multiprocessors(q.device))
         self.varlen = varlen
         self.call = None
         if min(grid) == 0:
@@ -842,7 +845,7 @@ class ForwardPlan:
             # One CTA per SM (a CTA's registers fill an SM), each taking work units round robin: query
             # tiles in the order above, or causal pairs of them (the kernel's _dense_units).
             units = (triton.cdiv(grid[0], 2) if causal else grid[0]) * grid[1] * grid[2]
-            grid = (min(units, _multiprocessors(q.device)), 1, 1)
+            grid = (min(units, multiprocessors(q.device)), 1, 1)
 
         # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
         # the tensors, whose missing columns TMA reads as zeros and never writes.
@@ -853,7 +856,7 @@ class ForwardPlan:
         self.v_tiles = DescriptorTemplate(v, cfg.block_n, block_d)
         self.call = CompiledCall(
             gluon_attn_fwd_kernel, grid,
-            (None, None, None, None, lse, *lse_strides, seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch,
+            (None, None, None, None, lse, *lse_strides, seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch, group,
              softmax_scale * LOG2E, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, out if varlen else None,
              *out_strides),
             dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from ..runtime import device_capability
+from ..runtime import device_capability, multiprocessor_count
 
 FLOAT16_TYPES = (torch.bfloat16, torch.float16)
 
@@ -107,3 +107,11 @@ class RowDescriptorTemplate:
 
     def __call__(self, t: torch.Tensor):
         return _host_descriptor(t, self.shape, self.strides, self.block, self.layout)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs of the device (one Hopper CTA fills one); 132 (an H100 SXM / H200) for CPU tensors, which
+    the compile checks pass."""
+    if device.type != "cuda":
+        return 132
+    return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -69,19 +69,26 @@ _REQUIRED = object()  # a parameter without a default, in _Signature.defaults
 
 
 class _Signature:
-    """The parameters of a @triton.jit / @gluon.jit function (compiled or interpreted), in order:
-    names, index by name, and defaults (_REQUIRED where there is none)."""
+    """The parameters of a Python function (a @triton.jit / @gluon.jit kernel's), in order: names,
+    index by name, and defaults (_REQUIRED where there is none)."""
 
-    def __init__(self, fn):
-        params = tuple(inspect.signature(fn.fn).parameters.values())
+    def __init__(self, python_fn):
+        params = tuple(inspect.signature(python_fn).parameters.values())
         self.names = tuple(p.name for p in params)
         self.index = {name: i for i, name in enumerate(self.names)}
         self.defaults = tuple(_REQUIRED if p.default is p.empty else p.default for p in params)
 
 
 @functools.lru_cache(maxsize=None)
+def _python_signature(python_fn) -> _Signature:
+    return _Signature(python_fn)
+
+
 def _signature(fn) -> _Signature:
-    return _Signature(fn)
+    """The kernel's (compiled or interpreted) parameters, cached by its Python function: hashing the
+    kernel itself would hash its source and every function it calls (and under the interpreter a
+    Gluon kernel's @triton.jit helpers cannot be hashed)."""
+    return _python_signature(fn.fn)
 
 
 class CompiledCall:
