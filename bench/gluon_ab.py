@@ -70,9 +70,10 @@ def variant_module(side, mode):
 def group_for_factor(cfg, d, seqlen, factor):
     """The forward's heads_per_group at a sweep point (16k tokens, hidden 2048) for a factor of
     resident CTAs (one per SM)."""
+    from flashtile.kernels.hopper import multiprocessors
     from flashtile.kernels.tile_order import heads_per_group
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = multiprocessors(torch.device("cuda"))
     return heads_per_group(-(-seqlen // cfg.block_m), max(16384 // seqlen, 1) * (2048 // d), sms, factor)
 
 
