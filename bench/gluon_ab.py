@@ -10,7 +10,9 @@ Triton backward's gradients).
 Variants: ``base:<config>`` runs the baseline module, ``new:<config>`` the working one, ``X:<config>``
 a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py (several experiments in one run); <config> is
 ``table`` (the committed table entry for the point) or a name in VARIANTS (forward) or in
-gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+g8``, ``+f1``. Also timed:
+gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+g8``, ``+f1``. Forward
+``lib``: flash_attn_func through the library's own dispatch and launch plans (whichever kernel the
+tables pick, the portable Triton kernels included). Also timed:
 torch SDPA's cuDNN backend (the ratios' anchor; its backward through autograd). Prints a table of
 TFLOP/s, writes gluon_ab_<mode>.json. The baseline copies are scratch files: do not commit them.
 """
@@ -210,6 +212,18 @@ def backward_rows(args, specs):
     return rows, checked
 
 
+def library_forward(q, k, v, causal, ref, row):
+    """flash_attn_func through the library's dispatch, checked against ref; None if it fails."""
+    import flashtile
+
+    def run():
+        with torch.no_grad():
+            return flashtile.flash_attn_func(q, k, v, causal=causal)
+    err = ((run().float() - ref).norm() / ref.norm()).item()
+    row["err_vs_cudnn"]["lib"] = err
+    return run if err < 2e-2 else None
+
+
 def forward_rows(args, specs):
     rows, checked = [], {}
     started = time.time()
@@ -229,6 +243,11 @@ def forward_rows(args, specs):
                 row = {"head_dim": d, "seqlen": s, "causal": causal, "err_vs_cudnn": {}}
                 launchers = {}
                 for spec in specs:
+                    if spec == "lib":
+                        run = library_forward(q, k, v, causal, ref, row)
+                        if run is not None:
+                            launchers[spec] = run
+                        continue
                     module, cfg = resolve(spec, d, causal, s)
                     if cfg is None:
                         continue  # the table sends this point to the portable kernel

@@ -204,25 +204,27 @@ _DEFAULT_GPU = {
     BWD_PREPROCESS: [Rule(256, RowBlockConfig(64))],
 }
 
-# The Hopper forward's best head-dim-64 config from 2k keys (dense) / 4k (packed) / 8k (causal);
-# dense batches run it persistent.
+# The Hopper forward's best head-dim-64 config from 2k keys (dense) / 4k (packed) / 8k (causal; dense
+# batches from 5k), run persistent on dense batches.
 _D64_THREE_CONSUMERS = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24,
                                       row_sum_mma=True)
 _D64_THREE_CONSUMERS_PERSISTENT = replace(_D64_THREE_CONSUMERS, persistent=True)
+# ... and its best with short keys: two ping-pong consumer warpgroups, persistent.
+_D64_PINGPONG_PERSISTENT = GluonFwdConfig(128, 3, pingpong=True, persistent=True, row_sum_mma=True)
 
 # Measured per architecture: {arch: {kernel: [Rule, ...]}}.
 # sm90 (H100/H200), measured on an H200 in bf16 at 16k tokens, hidden 2048:
 # - portable kernels: bench/tune_configs.py at seqlen 4096, the best geometric mean over
 #   causal and non-causal (bench/results/2026-11-21-h200-tune*.md);
 # - the Gluon forward and backward: bench/gluon_fwd_probe.py and bench/gluon_bwd_probe.py,
-#   seqlen 1k/4k/16k (bench/results/2026-11-21-h200-gluon-*.json). At head dim 64 it wins only
-#   on long keys (short or causal ones stay on the Triton kernel); head dims it does not
-#   list fall back to the Triton kernel.
+#   seqlen 1k/4k/16k (bench/results/2026-11-21-h200-gluon-*.json). At head dim 64 the causal
+#   forward stays on the Triton kernel below 4k keys (8k packed); head dims it does not list
+#   fall back to the Triton kernel.
 _TUNED: dict = {
     "sm90": {
         FWD: [
-            # Causal d64 below 8k keys (the Gluon forward takes over above): 64-row tiles waste less
-            # on the diagonal (bench/tune_configs.py --seqlen 1024/2048/4096: +9% / +5% / +4%).
+            # Causal d64 below 4k keys (8k packed; the Gluon forward takes over above): 64-row tiles
+            # waste less on the diagonal (bench/tune_configs.py --seqlen 1024/2048/4096: +9% / +5% / +4%).
             Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=3, use_tma=True), causal=True),
             Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3, use_tma=True)),
             Rule(128, KernelConfig(128, 128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True)),
@@ -234,12 +236,16 @@ _TUNED: dict = {
             # (bench/results/2026-11-21-h200-persistent/). Packed batches keep the per-tile grid.
             # Head dim 64 takes its row sums on the tensor cores: +1-3% full, +4-10% causal
             # (bench/results/2026-11-21-h200-row-sum-mma/); they cost the tensor-bound d128 / d256 2-6%.
-            Rule(64, GluonFwdConfig(128, 3, pingpong=True, persistent=True, row_sum_mma=True), causal=False,
-                 max_seqlen_k=2048, varlen=False),
+            Rule(64, _D64_PINGPONG_PERSISTENT, causal=False, max_seqlen_k=2048, varlen=False),
             # Persistent, non-causal d64 from 2k keys: +7/+4/+3/+3% at 2k/4k/8k/16k over per-tile
             # CTAs (causal 8k/16k: even; bench/results/2026-11-21-h200-operand-packing/d64-configs/).
             Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=False, min_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=4096),
+            # Causal dense batches from 4k keys: persistent CTAs beat the portable kernel (4k: +1.3 to
+            # +4.7%, 6k: +13%; bench/results/2026-11-21-h200-d64-forward/); at 1k / 2k it leads.
+            Rule(64, _D64_PINGPONG_PERSISTENT, causal=True, min_seqlen_k=4096, max_seqlen_k=5120, varlen=False),
+            Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=True, min_seqlen_k=5120, max_seqlen_k=8192,
+                 varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=True, min_seqlen_k=8192),
             Rule(64, None),
             # Head dims 96 and 192 (padded to 128 / 256) take these rules: they run the d128 / d256
