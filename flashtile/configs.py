@@ -106,6 +106,13 @@ class GluonBwdConfig:
     # each (batch, KV head) as soon as its key blocks are done, on the SMs the kernel's last wave
     # leaves idle (gluon_backward.py, "The dQ convert overlapped with the kernel's last CTAs").
     overlap_convert: bool = False
+    # Dense batches: the grid's first axis is the KV head, not the key block, so CTAs start with
+    # every head's first key block of a batch, then every head's second, ... In a causal grid key
+    # block 0 has the most query blocks: a batch's longest CTAs go first and its shortest end it,
+    # instead of the grid ending on the last head's long ones. (Both indices stay special-register
+    # reads; a computed remap cost the consumers registers, kernels/tile_order.py.) Concurrent CTAs
+    # then span a batch's heads, which shares less in L2: it loses on long or full-mask grids.
+    heads_first: bool = False
 
     @property
     def dq_split_m(self) -> bool:
@@ -262,7 +269,10 @@ _TUNED: dict = {
         ],
         BWD_GLUON: [
             Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),
-            # Also head dim 96 (and 192 below), on tiles of the padded width.
+            # Also head dim 96 (and 192 below), on tiles of the padded width. Causal grids to 8k keys
+            # start every head's longest key block first: +1.2 to +2.7% at 1k-4k, -4% at 16k; at head
+            # dims 64 / 256 it was even (bench/results/2026-11-21-h200-bwd-launch-order/).
+            Rule(128, GluonBwdConfig(block_m=64, num_stages=2, heads_first=True), causal=True, max_seqlen_k=8192),
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
             # 64 keys per CTA, each warpgroup half of the head dim: block_m 64 with 2 stages is what
             # fits shared memory (1.02-1.12x cuDNN in bench/results/2026-11-21-h200-bwd-stagger/sweep).

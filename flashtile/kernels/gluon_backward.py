@@ -95,12 +95,14 @@ CANDIDATES = {
         "m128_s2": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24),
         "m128_s2_oc": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24,
                                      overlap_convert=True),
+        "m128_s2_hf": GluonBwdConfig(block_m=128, num_stages=2, heads_first=True),
     },
     128: {
         "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
         "m64_s3": GluonBwdConfig(64, 3, 240, 24),
         "m64_s2_oc": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24,
                                     overlap_convert=True),
+        "m64_s2_hf": GluonBwdConfig(block_m=64, num_stages=2, heads_first=True),
     },
     # d256: 64 keys per CTA; block_m 64 with 2 stages fills shared memory (230 KB). block_m 32
     # would make dQ's wgmma M (query rows) 32 < 64. dq_overlap: see GluonBwdConfig.
@@ -109,6 +111,7 @@ CANDIDATES = {
         "m64_s2_dqo": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24, dq_overlap=True),
         "m64_s2_oc": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24,
                                     overlap_convert=True),
+        "m64_s2_oc_hf": GluonBwdConfig(block_m=64, num_stages=2, overlap_convert=True, heads_first=True),
     },
 }
 
@@ -154,11 +157,16 @@ def _warpgroup_writes_landed(stored):
 
 
 @gluon.jit
-def _count_cta_done(done_counts, stored):
+def _count_cta_done(done_counts, stored, kv_head, HEADS_FIRST: gl.constexpr):
     """In the loader warp: once both consumer warpgroups' writes have landed, one lane adds 1 to the
-    CTA's (batch, KV head) done count with release semantics (gpu scope)."""
+    CTA's (batch, KV head) done count with release semantics (gpu scope). Dense grids only (the
+    third axis is the batch)."""
     mbarrier.wait(stored, 0)
-    count = done_counts + gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)
+    if HEADS_FIRST:
+        nheads_k = gl.num_programs(0)
+    else:
+        nheads_k = gl.num_programs(1)
+    count = done_counts + gl.program_id(2) * nheads_k + kv_head
     gl.inline_asm_elementwise(
         "{\n\t.reg .pred first;\n\t.reg .u32 lane;\n\tmov.u32 lane, %laneid;\n\tsetp.eq.u32 first, lane, 0;"
         "\n\t@first red.release.gpu.global.add.u32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}",
@@ -253,6 +261,18 @@ def _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q, seqlen_k, IS_VARL
 
 
 @gluon.jit
+def _key_block_and_head(HEADS_FIRST: gl.constexpr):
+    """(key block index, KV head) of this program. The grid is (key blocks, KV heads, sequences),
+    or with HEADS_FIRST (KV heads, key blocks, batch): CTAs then start with every head's first key
+    block of a batch, then every head's second, ... (GluonBwdConfig.heads_first). Both stay
+    special-register reads, which ptxas re-issues instead of holding them in registers."""
+    if HEADS_FIRST:
+        return gl.program_id(1), gl.program_id(0)
+    else:
+        return gl.program_id(0), gl.program_id(1)
+
+
+@gluon.jit
 def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                  lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
                  k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
@@ -318,12 +338,13 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
 def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
             lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
             cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
-            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
+            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+            HEADS_FIRST: gl.constexpr):
     # The key block is k_smem.shape[0] tiles of 64 keys (2 at d64/d128, 1 at d256).
     NKV: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = NKV * _KPC
-    start_n = gl.program_id(0) * BN
-    kv_head = gl.program_id(1)
+    key_block, kv_head = _key_block_and_head(HEADS_FIRST)
+    start_n = key_block * BN
     batch = gl.program_id(2)
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
                                                                 seqlen_k, IS_VARLEN)
@@ -341,7 +362,7 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
                      k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
                      BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)
         if done_counts is not None:
-            _count_cta_done(done_counts, stored)
+            _count_cta_done(done_counts, stored, kv_head, HEADS_FIRST)
 
 
 @gluon.jit
@@ -602,9 +623,9 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
               stride_dv_h, stored, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
-              COUNT_DONE: gl.constexpr):
-    start_n = gl.program_id(0) * _BN
-    kv_head = gl.program_id(1)
+              COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+    key_block, kv_head = _key_block_and_head(HEADS_FIRST)
+    start_n = key_block * _BN
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
                                                                 seqlen_k, IS_VARLEN)
     # Varlen: the grid spans the longest sequence; a key block past this one's keys has no work
@@ -666,7 +687,7 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                           dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
                           BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
-                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, HEADS_FIRST: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -693,17 +714,17 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, stored, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE)),
+                     COUNT_DONE, HEADS_FIRST)),
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, stored, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE)),
+                     COUNT_DONE, HEADS_FIRST)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
-                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)),
+                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -963,9 +984,9 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                    cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                    stride_dv_h, stored, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HEAD_DIM_TRUE: gl.constexpr, COUNT_DONE: gl.constexpr):
-    start_n = gl.program_id(0) * _KPC
-    kv_head = gl.program_id(1)
+                   HEAD_DIM_TRUE: gl.constexpr, COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+    key_block, kv_head = _key_block_and_head(HEADS_FIRST)
+    start_n = key_block * _KPC
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
                                                                 seqlen_k, IS_VARLEN)
     # Varlen: the grid spans the longest sequence; a key block past this one's keys has no work
@@ -991,7 +1012,8 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                                dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
                                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+                               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
+                               HEADS_FIRST: gl.constexpr):
     gl.static_assert(NUM_STAGES >= 2, "a slot is released one query block late (dQ staging)")
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -1018,17 +1040,17 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                           seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
                           stride_dv_s, stride_dv_h, stored, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                          HEAD_DIM_TRUE, COUNT_DONE)),
+                          HEAD_DIM_TRUE, COUNT_DONE, HEADS_FIRST)),
         (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
                           q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                           seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
                           stride_dv_s, stride_dv_h, stored, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                          HEAD_DIM_TRUE, COUNT_DONE)),
+                          HEAD_DIM_TRUE, COUNT_DONE, HEADS_FIRST)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
-                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)),
+                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1208,15 +1230,18 @@ class BackwardPlan:
         # Key blocks of one head are adjacent in launch order: concurrent CTAs stream the same query
         # blocks (shared in L2) and reduce into the same dQ rows (L2-resident). Varlen: the third axis
         # is the sequence, the first covers the longest one (programs past a sequence's keys exit).
-        grid = (triton.cdiv(max_seqlen_k, block_n), nheads_k, n_seqs)
-        self.main = None if grid[0] == 0 else CompiledCall(
+        # heads_first (dense batches): the KV heads are the first axis (see GluonBwdConfig).
+        key_blocks = triton.cdiv(max_seqlen_k, block_n)
+        heads_first = cfg.heads_first and not varlen
+        grid = (nheads_k, key_blocks, n_seqs) if heads_first else (key_blocks, nheads_k, n_seqs)
+        self.main = None if key_blocks == 0 else CompiledCall(
             kernel_fn, grid,
             (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
              padded_row_stride(seqlen_q), softmax_scale * LOG2E, softmax_scale, None, None, None, None, None),
             dict(done_counts=None, dk_ptr=None, stride_dk_s=row_strides[0], stride_dk_h=row_strides[1], dv_ptr=None,
                  stride_dv_s=row_strides[2], stride_dv_h=row_strides[3], BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
                  CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal),
-                 IS_VARLEN=varlen, num_warps=4, **extra),
+                 IS_VARLEN=varlen, HEADS_FIRST=heads_first, num_warps=4, **extra),
             slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
                    "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
                    "dv_ptr", "done_counts"))
@@ -1227,7 +1252,7 @@ class BackwardPlan:
         self.convert = CompiledCall(
             gluon_bwd_dq_convert_kernel, (triton.cdiv(seqlen_q, convert_block), nheads, batch),
             (dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), seqlen_q, nheads, softmax_scale,
-             cu_seqlens_q[n_seqs:] if varlen else None, None, nheads_k, grid[0]),
+             cu_seqlens_q[n_seqs:] if varlen else None, None, nheads_k, key_blocks),
             dict(HEAD_DIM=head_dim, BLOCK_S=convert_block, BLOCK_D=padded_head_dim(head_dim), num_warps=4,
                  launch_pdl=self.overlap_convert),
             slots=("Acc", "DQ", "RowsEnd", "DoneCounts"))
