@@ -81,8 +81,8 @@ def group_for_factor(cfg, d, seqlen, factor):
 
 def resolve(spec, d, causal, seqlen, mode="fwd"):
     """(module, config) of a variant spec. Suffixes: backward: +oc the dQ convert overlapped
-    (GluonBwdConfig.overlap_convert), +hf / +kf heads_first on / off; forward: +gN heads_per_group = N (kernels/tile_order.py), +fN
-    the group size tile_order.heads_per_group gives with factor N."""
+    (GluonBwdConfig.overlap_convert), +hf / +kf heads_first on / off; forward: +gN heads_per_group = N
+    (kernels/tile_order.py), +fN the group size tile_order.heads_per_group gives with factor N."""
     side, name = spec.split(":")
     module = variant_module(side, mode)
     name, *suffixes = name.split("+")

@@ -269,9 +269,9 @@ _TUNED: dict = {
         ],
         BWD_GLUON: [
             Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),
-            # Also head dim 96 (and 192 below), on tiles of the padded width. Causal grids to 8k keys
-            # start every head's longest key block first: +1.2 to +2.7% at 1k-4k, -4% at 16k; at head
-            # dims 64 / 256 it was even (bench/results/2026-11-21-h200-bwd-launch-order/).
+            # Also head dim 96 (and 192 below), on tiles of the padded width. Causal grids below 8k keys
+            # start every head's longest key block first: +1.6 / +4.2% at 1k / 2k, even at 4k-6k, -4% at
+            # 16k; at head dims 64 / 256 even or worse (bench/results/2026-11-21-h200-bwd-launch-order/).
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2, heads_first=True), causal=True, max_seqlen_k=8192),
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
             # 64 keys per CTA, each warpgroup half of the head dim: block_m 64 with 2 stages is what

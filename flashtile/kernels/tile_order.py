@@ -11,7 +11,8 @@ Where it is used (measured on the H200, bench/results/2026-11-21-h200-tile-order
 forward's per-tile causal grid at head dim 256 (one CTA per SM, few tiles per head): +1.5-4% at
 1k-16k keys. It lost elsewhere: the Gluon forward at head dims 64 / 128 (-1 to -5%); the portable
 forward (several CTAs share an SM, so its tail costs less: even); the Gluon backward (the remapped
-indices cost its consumer warpgroups registers they do not have: -2 to -5%).
+indices cost its consumer warpgroups registers they do not have: -2 to -5%), which instead swaps
+its grid's first two axes where that pays (GluonBwdConfig.heads_first).
 
 Kernels keep their (tile, head, batch) grids and remap their program ids with
 :func:`grouped_tile_order` (a scalar helper that Triton and Gluon kernels can both call); the
