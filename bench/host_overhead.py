@@ -91,6 +91,74 @@ def dissect_jit_launch(fn, launch):
     }
 
 
+def packed_and_decode_rows(d: int, rounds: int = 5) -> dict:
+    """Host time of packed (varlen) training calls and of decoding against a kv cache, with launch
+    plans on and off (FLASHTILE_LAUNCH_PLANS; kernels/plans.py), interleaved, the minimum of
+    ``rounds`` rounds (a host draw's jitter is +-30% between single runs); and the layers of a
+    decoding call: the public function (argument checks; in eager mode it calls the kvcache_fwd op's
+    body directly), the custom op, the op's body, the split forward's launches."""
+    from flashtile import flash_attn_varlen_func, flash_attn_with_kvcache, ops
+    from flashtile.kernels import launch
+    from flashtile.kvcache import kvcache_attention
+
+    lengths = [128, 96, 128, 64]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lengths), 8, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def varlen_fwd():
+        return flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+    def varlen_fwd_no_grad():
+        with torch.no_grad():
+            varlen_fwd()
+
+    # Decoding: one token, 32 query heads over 8 KV heads; a 1k contiguous cache (split in 2) and an
+    # 8k paged one for a batch of 8.
+    qd = torch.randn(1, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(1, 1024, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(1, 1, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.full((1,), 1000, dtype=torch.int32, device="cuda")
+    q8 = torch.randn(8, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    pages_k, pages_v = (torch.randn(8 * 32, 256, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(8 * 32, device="cuda", dtype=torch.int32).view(8, 32)
+    seqlens8 = torch.randint(4000, 8000, (8,), device="cuda", dtype=torch.int32)
+    extras, floats, ints = [None] * 6, [d ** -0.5, 0.0], [0, -1, -1, 1, 0]
+    q_rows = qd[:, 0].unflatten(1, (8, 4)).transpose(1, 2)
+    out, lse = torch.empty_like(q_rows), torch.empty(1, 8, 4, device="cuda")
+    seqs = launch.PackedSeqs(None, None, 4, 1024, seqused_k=seqlens,
+                             block_table=torch.zeros(1, 1, dtype=torch.int32, device="cuda"))
+    params = launch.ScoreParams(softmax_scale=d ** -0.5)
+    calls = {
+        "varlen fwd, 4 seqs": (varlen_fwd_no_grad, CALLS),
+        "varlen fwd+bwd": (lambda: torch.autograd.grad(varlen_fwd(), (q, k, v), dout), 100),
+        "decode, 1k cache": (lambda: flash_attn_with_kvcache(qd, k_cache, v_cache, cache_seqlens=seqlens), CALLS),
+        "decode + append": (lambda: flash_attn_with_kvcache(qd, k_cache, v_cache, k_new, v_new,
+                                                            cache_seqlens=seqlens), CALLS),
+        "decode, paged 8k x 8": (lambda: flash_attn_with_kvcache(q8, pages_k, pages_v, cache_seqlens=seqlens8,
+                                                                 block_table=table), CALLS),
+        "  ops.kvcache_fwd (the custom op)": (lambda: ops.kvcache_fwd(qd, k_cache, v_cache, None, None, seqlens, extras,
+                                                                       floats, ints), CALLS),
+        "  kvcache_attention (op body)": (lambda: kvcache_attention(qd, k_cache, v_cache, None, None, seqlens, *extras,
+                                                                    *floats, *ints), CALLS),
+        "  attention_forward_split": (lambda: launch.attention_forward_split(q_rows, k_cache, v_cache, out, lse,
+                                                                             params, seqs, 2), CALLS),
+    }
+    best = {(name, plans): float("inf") for name in calls for plans in ("on", "off")}
+    with torch.no_grad():
+        torch.cuda.synchronize()
+    for _ in range(rounds):
+        for name, (fn, n) in calls.items():
+            for plans in ("on", "off"):
+                os.environ["FLASHTILE_LAUNCH_PLANS"] = "1" if plans == "on" else "0"
+                grad = torch.enable_grad() if name == "varlen fwd+bwd" else torch.no_grad()
+                with grad:
+                    best[name, plans] = min(best[name, plans], per_call_us(fn, n))
+    del os.environ["FLASHTILE_LAUNCH_PLANS"]
+    return {f"{name} (plans {plans})": us for (name, plans), us in best.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -182,6 +250,8 @@ def main():
                 lambda: flash_attn_with_kvcache(qd, k_cache_inf, v_cache_inf, k_new, v_new, cache_seqlens=lengths_inf))
         qdt, kct, vct = qd.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         rows["sdpa decode"] = per_call_us(lambda: F.scaled_dot_product_attention(qdt, kct, vct, enable_gqa=True))
+
+    rows.update(packed_and_decode_rows(d))
 
     if args.profile:
         with torch.no_grad():

@@ -17,6 +17,7 @@ The public function checks its arguments and calls the ``flashtile::kvcache_fwd`
 :func:`kvcache_attention` below, so ``torch.compile`` traces the call without graph breaks.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -111,6 +112,7 @@ _RESIDENT_PER_SM = {True: 3, False: 1}
 _SATURATING_PER_SM = {True: 2, False: 1}
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments; decoding asks once per layer and token
 def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, device: torch.device) -> int:
     """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
 
@@ -197,7 +199,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=q.device)
     ints = [int(bool(causal)), int(window_size[0]), int(window_size[1]), int(bool(rotary_interleaved)), num_splits]
     extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes]
-    out, lse = ops.kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, extras, [softmax_scale, softcap], ints)
+    out, lse = ops.kvcache_attention_call(q, k_cache, v_cache, k, v, cache_seqlens, extras, [softmax_scale, softcap],
+                                          ints)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -10,7 +10,8 @@ Each op is functional except kvcache_fwd (it writes k_cache and v_cache), has a 
 implementation (shapes and dtypes only) and, for fwd and varlen_fwd, an autograd formula that
 calls the matching backward op. The public functions reach fwd and varlen_fwd through
 dense_attention / varlen_attention: the ops while torch.compile traces, and in eager mode the same
-bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time.
+bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time;
+flash_attn_with_kvcache reaches kvcache_fwd the same way (kvcache_attention_call).
 The ops take what the kernels take: options already checked and folded by the public functions
 (softmax_scale resolved, causal folded into window_right = 0), and dropout's seed as an int64
 tensor drawn outside the op, so an op is a function of its inputs and the backward regenerates the
@@ -342,3 +343,19 @@ def _(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints):
     batch, seqlen_q, nheads, head_dim = q.shape
     return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
                                                                          dtype=torch.float32)
+
+
+def kvcache_attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                           cache_seqlens: Tensor, extras: List[Optional[Tensor]], floats: List[float],
+                           ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """The kvcache_fwd op while torch.compile traces; in eager mode its body, called directly (the
+    custom-op layers cost about 60 us of host time per call, more than a short cache's kernels), with
+    the version-counter bump of k_cache and v_cache that the op's mutates_args would give."""
+    if torch.compiler.is_compiling():
+        return kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints)
+    from .kvcache import kvcache_attention
+
+    result = kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints)
+    for cache in (k_cache, v_cache):
+        torch.autograd.graph.increment_version(cache)  # a no-op on inference-mode tensors
+    return result

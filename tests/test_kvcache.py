@@ -84,7 +84,7 @@ def test_kvcache_leftpad(dtype, causal):
 
 
 def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1, alibi=False,
-                     **score_options):
+                     lengths=(5, 0, 70), **score_options):
     batch, seqlen_cache, page_size = 3, 96, 16
     cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
     q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
@@ -92,7 +92,7 @@ def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpa
     v_cache = torch.randn_like(k_cache)
     k_new = torch.randn(batch, seqlen_new, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=dtype) if seqlen_new else None
     v_new = torch.randn_like(k_new) if seqlen_new else None
-    cache_seqlens = torch.tensor([5, 0, 70], dtype=torch.int32, device=DEVICE)
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     batch_idx = torch.tensor([4, 0, 2] if layout == "rows" else [0, 1, 2], dtype=torch.int32, device=DEVICE)
     cos = sin = None
     if rotary:
@@ -147,6 +147,22 @@ def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpa
     same, _ = reference(q_ref, k_full, v_full, cache_seqlens, seqlen_new, None, **options)
     check_errors([("out", rel_error(out, ref), rel_error(same, ref))], dtype)
     check_lse(lse, ref_lse)
+
+
+def test_kvcache_tells_autograd_the_caches_changed():
+    # Eager calls run the kvcache_fwd op's body without the op (ops.kvcache_attention_call): they
+    # still bump the caches' version counters as the op's mutation declaration would.
+    q = torch.randn(2, 1, NHEADS, HEAD_DIM, device=DEVICE, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 32, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    versions = (k_cache._version, v_cache._version)
+    with torch.no_grad():
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=3)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    with torch.inference_mode():  # inference tensors have no version counter
+        k_inf, v_inf = k_cache.clone(), v_cache.clone()
+        again = flash_attn_with_kvcache(q, k_inf, v_inf, k_new, v_new, cache_seqlens=3)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
 def test_kvcache_bad_input_leaves_the_cache_untouched():

@@ -13,17 +13,20 @@ from flashtile.kernels import launch, plans
 from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv, randn
 
 
+_CACHES = (launch._FORWARD_PLANS, launch._BACKWARD_PLANS, launch._SPLIT_FORWARD_PLANS, launch._KVCACHE_UPDATE_PLANS)
+
+
 def _plan_counts():
     return len(launch._FORWARD_PLANS.plans), len(launch._BACKWARD_PLANS.plans)
 
 
 @pytest.fixture
 def fresh_plans():
-    launch._FORWARD_PLANS.clear()
-    launch._BACKWARD_PLANS.clear()
+    for cache in _CACHES:
+        cache.clear()
     yield
-    launch._FORWARD_PLANS.clear()
-    launch._BACKWARD_PLANS.clear()
+    for cache in _CACHES:
+        cache.clear()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
@@ -40,6 +43,39 @@ def test_replayed_calls_compute_the_same_function(fresh_plans, dtype, causal, he
             q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, head_dim, dtype)
         check_against_reference(flash_attn_func, q, k, v, causal=causal)
         assert _plan_counts() == expected, _plan_counts()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_batches_replay_with_other_lengths(fresh_plans, head_dim, causal):
+    # A plan keys on the packed batch's host maxima and tensor layouts, never on the lengths the
+    # prefix sums hold: calls with other lengths under the same maxima replay it, on fresh data.
+    from test_varlen import check_varlen, make_packed
+
+    # Same totals (the packed tensors' shapes), same maxima, other lengths.
+    mixes = [([300, 1, 77], [256, 300, 1]), ([1, 77, 300], [300, 1, 256]), ([78, 300, 0], [300, 0, 257])]
+    for lengths_q, lengths_k in mixes:
+        q, k, v = make_packed(lengths_q, lengths_k, 4, 2, head_dim, torch.bfloat16)
+        check_varlen(lengths_q, lengths_k, q, k, v, causal=causal)
+        assert _plan_counts() == (1, 1), _plan_counts()
+    # Other maxima (they size the grid): plans of their own.
+    q, k, v = make_packed([64, 33], [64, 40], 4, 2, head_dim, torch.bfloat16)
+    check_varlen([64, 33], [64, 40], q, k, v, causal=causal)
+    assert _plan_counts() == (2, 2), _plan_counts()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_calls_replay_with_other_lengths(fresh_plans, layout, num_splits):
+    # The cache update, and the forward (split or not), replay their plans with other cache lengths.
+    from test_kvcache import run_kvcache_case
+
+    for lengths in ((5, 0, 70), (90, 17, 1), (0, 0, 0)):
+        run_kvcache_case(torch.bfloat16, layout, 1, 1, True, "interleaved", num_splits=num_splits, lengths=lengths)
+        forward_plans = len(launch._SPLIT_FORWARD_PLANS.plans if num_splits > 1 else launch._FORWARD_PLANS.plans)
+        assert (forward_plans, len(launch._KVCACHE_UPDATE_PLANS.plans)) == (1, 1)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
@@ -184,7 +220,11 @@ def test_plans_keep_no_tensor_alive():
     delta, lse_log2 = launch.row_stats_buffers(lse)
     dq_acc = gluon_backward.dq_accumulator(q)
     params = launch.ScoreParams(softmax_scale=0.125, window_right=0)
-    tensors = (q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc)
+    # A decoding call's split forward over a paged cache (q: one row per sequence).
+    q1, out1, lse1 = q[:, :1], out[:, :1], lse[:, :, :1]
+    seqs = launch.PackedSeqs(None, None, 1, 256, seqused_k=torch.tensor([100, 256], dtype=torch.int32),
+                             block_table=torch.tensor([[0], [1]], dtype=torch.int32))
+    tensors = (q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc, seqs.seqused_k, seqs.block_table)
     refs = [weakref.ref(t) for t in tensors]
     portable = [table_config(name, "interpreter", 64) for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")]
     built = [
@@ -196,11 +236,12 @@ def test_plans_keep_no_tensor_alive():
         launch.PortableForward(q, k, v, out, lse, params, table_config("fwd", "interpreter", 64)),
         launch.PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, *portable),
         launch.preprocess_call(out, dout, lse, delta, lse_log2, zero=dq_acc),
+        launch.SplitForward(q1, k, v, out1, lse1, params, seqs, 4),
     ]
-    del q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc, tensors
+    del q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc, tensors, q1, out1, lse1, seqs
     gc.collect()
     assert all(ref() is None for ref in refs), [i for i, ref in enumerate(refs) if ref() is not None]
-    assert len(built) == 6
+    assert len(built) == 7 and built[-1].combine is not None
 
 
 def test_portable_backward_plan_on_fresh_tensors():
@@ -222,7 +263,7 @@ def test_portable_backward_plan_on_fresh_tensors():
     configs = [table_config(name, arch, 32, seqlen_k=77) for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")]
     plan = launch.PortableBackward(*first, params, *configs)
     second = call()
-    plan(*second)
+    plan(*second, params)
     expected = [torch.empty_like(t) for t in second[-3:]]
     with override(bwd_gluon=None):  # plans are off inside override(): the long way, same kernels and configs
         launch.attention_backward(*second[:6], *expected, params, deterministic=True)

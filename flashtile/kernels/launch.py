@@ -219,53 +219,77 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``."""
     if out.numel() == 0:
         return
-    plan_key = None if seqs is not None else _plan_key(params, q, k, v, out, lse)
+    plan_key = _plan_key(params, seqs, q, k, v, out, lse)
     plan = None if plan_key is None else _FORWARD_PLANS.get(plan_key)
-    if plan is not None:
-        plan(q, k, v, out, lse)
-        return
+    if plan is None:
+        plan = _forward_plan(q, k, v, out, lse, params, seqs)
+        if plan_key is not None:
+            _FORWARD_PLANS.put(plan_key, plan)
+    plan(q, k, v, out, lse, params, seqs)
+
+
+def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Callable:
+    """The launch of attention_forward for this call's signature (configs chosen, autotuned if
+    asked): a callable taking (q, k, v, out, lse, params, seqs)."""
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
     gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
         from .gluon_forward import CANDIDATES, ForwardPlan
 
-        varlen = {} if seqs is None else dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k,
-                                               seqused_q=seqs.seqused_q)
-        lse_arg = lse if seqs is None else lse[0]
         max_seqlen_q = None if seqs is None else seqs.max_seqlen_q
 
         def plan_for(cfg):
-            return ForwardPlan(q, k, v, out, lse_arg, params.softmax_scale, params.causal, cfg,
-                               max_seqlen_q=max_seqlen_q, **varlen)
+            return _GluonForward(ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale,
+                                             params.causal, cfg, max_seqlen_q=max_seqlen_q, **_gluon_seq_tensors(seqs)))
         cfg = _tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES,
-                     lambda c: plan_for(c)(q, k, v, out, lse_arg, **varlen))
-        plan = plan_for(cfg)
-        plan(q, k, v, out, lse_arg, **varlen)
-    else:
-        kernel = forward_kernel(q, k, seqs)
-        cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
-        cfg = _tuned(kernel, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
-                     lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
-        plan = PortableForward(q, k, v, out, lse, params, cfg, seqs)
-        plan(q, k, v, out, lse, params.alibi_slopes, params.dropout_seed, seqs)
-    if plan_key is not None:
-        _FORWARD_PLANS.put(plan_key, plan)
+                     lambda c: plan_for(c)(q, k, v, out, lse, params, seqs))
+        return plan_for(cfg)
+    kernel = forward_kernel(q, k, seqs)
+    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    cfg = _tuned(kernel, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
+                 lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
+    return PortableForward(q, k, v, out, lse, params, cfg, seqs)
 
 
-# Plans of dense calls by signature (kernels/plans.py).
+class _GluonForward:
+    """gluon_forward.ForwardPlan called as attention_forward's plans are: packed batches pass their
+    prefix sums, and lse as its (h, total_q) view."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
+        if seqs is None:
+            self.plan(q, k, v, out, lse)
+        else:
+            self.plan(q, k, v, out, lse[0], **_gluon_seq_tensors(seqs))
+
+
+# Plans by call signature (kernels/plans.py): dense and packed calls of the forward, the split
+# forward, the backward, and the kv-cache update.
 _FORWARD_PLANS = PlanCache()
 _BACKWARD_PLANS = PlanCache()
+_SPLIT_FORWARD_PLANS = PlanCache()
+_KVCACHE_UPDATE_PLANS = PlanCache()
 
 
-def _plan_key(params: ScoreParams, *tensors) -> Optional[tuple]:
-    """The plan-cache key of a dense call on these tensors, or None when no plan may serve it:
-    plans are kept for CUDA calls with scaled dot products (no softcap, ALiBi or dropout: their
-    tensors and scalars are not in the key) while plans.enabled()."""
+def _plan_key(params: ScoreParams, seqs: Optional[PackedSeqs], *tensors) -> Optional[tuple]:
+    """The plan-cache key of a call on these tensors, or None when no plan may serve it (CPU calls;
+    plans.enabled() false). It holds all that the long way reads on the host: the score options,
+    every tensor's signature (shape, strides, dtype, 16-byte alignment; the ALiBi slopes, the
+    dropout seed and the packed batch's tensors included) and the packed batch's host lengths.
+    Never the tensors' contents: a plan serves any sequence lengths under the same maxima."""
     q = tensors[0]
-    if not q.is_cuda or not params.scaled_dot_products or params.dropout_p > 0 or not plans_enabled():
+    if not q.is_cuda or not plans_enabled():
         return None
-    return (q.device, portable_only(), params.softmax_scale, params.window_left, params.window_right,
-            *(tensor_signature(t) for t in tensors))
+    key = (q.device, portable_only(), params.softmax_scale, params.softcap, params.window_left, params.window_right,
+           params.dropout_p, tensor_signature(params.alibi_slopes), tensor_signature(params.dropout_seed),
+           *(tensor_signature(t) for t in tensors))
+    if seqs is not None:
+        key += (seqs.max_seqlen_q, seqs.max_seqlen_k,
+                *(tensor_signature(t) for t in (seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q,
+                                                seqs.seqused_k, seqs.block_table, seqs.key_shift)))
+    return key
 
 
 def forward_kernel(q, k, seqs: Optional[PackedSeqs]) -> str:
@@ -295,37 +319,61 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     partial results merged by the combine kernel. Packed batches, portable kernels."""
     if out.numel() == 0:
         return
-    _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
-    cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k,
-                     q.dtype)
-    split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
-    keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
-    num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
-    if num_splits <= 1:
-        launch_forward(q, k, v, out, lse, params, cfg, seqs)
-        return
-    out_parts = torch.empty((num_splits,) + tuple(out.shape), dtype=torch.float32, device=out.device)
-    lse_parts = torch.empty((num_splits,) + tuple(lse.shape), dtype=torch.float32, device=out.device)
-    launch_forward(q, k, v, out_parts[0], lse_parts[0], params, cfg, seqs,
-                   splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)))
-    batch, rows, nheads, head_dim = out.shape
-    block_r = 16
-    attn_combine_kernel[(triton.cdiv(rows, block_r), nheads, batch)](
-        out_parts, lse_parts, out, lse,
-        out_parts.stride(0), out_parts.stride(1), out_parts.stride(2), out_parts.stride(3),
-        lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        rows, num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_R=block_r,
-    )
+    plan_key = _plan_key(params, seqs, q, k, v, out, lse)
+    plan_key = None if plan_key is None else (num_splits, *plan_key)
+    plan = None if plan_key is None else _SPLIT_FORWARD_PLANS.get(plan_key)
+    if plan is None:
+        plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits)
+        if plan_key is not None:
+            _SPLIT_FORWARD_PLANS.put(plan_key, plan)
+    plan(q, k, v, out, lse, params, seqs)
+
+
+class SplitForward:
+    """attention_forward_split for one call signature (kernels/plans.py): the split forward writes
+    float32 partial outputs and logsumexps (allocated per call), the combine kernel merges them.
+    With one split left (too few keys), the plain portable forward."""
+
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int):
+        _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
+        cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k,
+                         q.dtype)
+        split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
+        keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
+        num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
+        self.combine = None
+        if num_splits <= 1:
+            self.forward = PortableForward(q, k, v, out, lse, params, cfg, seqs)
+            return
+        self.parts_shapes = ((num_splits,) + tuple(out.shape), (num_splits,) + tuple(lse.shape))
+        # The layouts of the partial buffers each call allocates, without memory.
+        out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device="meta") for shape in self.parts_shapes)
+        self.forward = PortableForward(q, k, v, out_parts[0], lse_parts[0], params, cfg, seqs,
+                                       splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)))
+        batch, rows, nheads, head_dim = out.shape
+        block_r = 16
+        self.combine = CompiledCall(
+            attn_combine_kernel, (triton.cdiv(rows, block_r), nheads, batch),
+            (None, None, None, None, *out_parts.stride()[:4], *lse_parts.stride()[:3], out.stride(0), out.stride(1),
+             out.stride(2), lse.stride(0), lse.stride(1), rows, num_splits),
+            dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_R=block_r),
+            slots=("OutPartial", "LsePartial", "Out", "Lse"))
+
+    def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs):
+        if self.combine is None:
+            self.forward(q, k, v, out, lse, params, seqs)
+            return
+        out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device=out.device)
+                                for shape in self.parts_shapes)
+        self.forward(q, k, v, out_parts[0], lse_parts[0], params, seqs)
+        self.combine(out_parts, lse_parts, out, lse)
 
 
 def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
                    splits: Optional[tuple] = None) -> None:
     """The portable forward with an explicit config (the autotuner times several). ``splits``:
     (num_splits, keys_per_split, split stride of out, of lse) for attention_forward_split."""
-    PortableForward(q, k, v, out, lse, params, cfg, seqs, splits)(q, k, v, out, lse, params.alibi_slopes,
-                                                                   params.dropout_seed, seqs)
+    PortableForward(q, k, v, out, lse, params, cfg, seqs, splits)(q, k, v, out, lse, params, seqs)
 
 
 class PortableForward:
@@ -362,13 +410,13 @@ class PortableForward:
             slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ",
                    "SeqUsedK", "BlockTable", "KeyShift"))
 
-    def __call__(self, q, k, v, out, lse, alibi_slopes=None, dropout_seed=None, seqs: Optional[PackedSeqs] = None):
+    def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         tiles = (q, k, v, out) if self.tiles is None else tuple(t(x) for t, x in zip(self.tiles, (q, k, v, out)))
         if seqs is None:
-            self.call(*tiles, lse, alibi_slopes, dropout_seed, None, None, None, None, None, None)
+            self.call(*tiles, lse, params.alibi_slopes, params.dropout_seed, None, None, None, None, None, None)
         else:
-            self.call(*tiles, lse, alibi_slopes, dropout_seed, seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q,
-                      seqs.seqused_k, seqs.block_table, seqs.key_shift)
+            self.call(*tiles, lse, params.alibi_slopes, params.dropout_seed, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
+                      seqs.seqused_q, seqs.seqused_k, seqs.block_table, seqs.key_shift)
 
 
 def row_stats_buffers(lse: torch.Tensor, device=None) -> tuple:
@@ -466,7 +514,7 @@ class GluonBackward:
 
         return done_counts_buffer(q, k, device) if self.kernels.overlap_convert else None
 
-    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, seqs: Optional[PackedSeqs] = None):
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         from .gluon_backward import dq_accumulator
 
         # The host work (buffers, TMA descriptors) comes before the preprocess kernel, so that the
@@ -537,11 +585,11 @@ class PortableBackward:
                                                                      dkdv_cfg, seqs)
         self.dq = _portable_bwd_call(BWD_DQ, q, k, v, dout, delta, (dq,), params, dq_cfg, seqs)
 
-    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes=None, dropout_seed=None,
-                 seqs: Optional[PackedSeqs] = None):
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         delta, lse_log2 = row_stats_buffers(lse)
         self.preprocess(out, dout, lse, delta, lse_log2, None, None, *_preprocess_seq_tensors(seqs))
-        tensors = _portable_bwd_tensors(q, k, v, dout, lse_log2, delta, alibi_slopes, dropout_seed, seqs)
+        tensors = _portable_bwd_tensors(q, k, v, dout, lse_log2, delta, params.alibi_slopes, params.dropout_seed,
+                                        seqs)
         if self.dkdv is not None:
             self.dkdv(*tensors, dk, dv)
         self.dq(*tensors, dq)
@@ -565,12 +613,12 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         dk.zero_()
         dv.zero_()
         return
-    plan_key = None if seqs is not None else _plan_key(params, q, k, v, out, dout, lse, dq, dk, dv)
+    plan_key = _plan_key(params, seqs, q, k, v, out, dout, lse, dq, dk, dv)
     if plan_key is not None:
         plan_key = (deterministic, *plan_key)
         plan = _BACKWARD_PLANS.get(plan_key)
         if plan is not None:
-            plan(q, k, v, out, dout, lse, dq, dk, dv)
+            plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
             return
     arch = arch_of(q.device)
     head_dim = q.shape[3]
@@ -606,10 +654,10 @@ def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gl
                      lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
 
         def run_gluon(cfg, chunk=chunk):
-            GluonBackward(*chunk, params, cfg, pre_cfg, seqs)(*chunk, seqs)
+            GluonBackward(*chunk, params, cfg, pre_cfg, seqs)(*chunk, params, seqs)
         cfg = _tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, CANDIDATES, run_gluon)
         plan = GluonBackward(*chunk, params, cfg, pre_cfg, seqs)
-        plan(*chunk, seqs)
+        plan(*chunk, params, seqs)
     if copy_back is not None:
         copy_back()
     return plan if len(chunks) == 1 and dout is dout_given and copy_back is None else None
@@ -645,7 +693,7 @@ def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         dq_cfg = _tuned(BWD_DQ, q, params, max_seqlen_k, dq_cfg, PORTABLE_CANDIDATES[BWD_DQ],
                         lambda c: time_config(BWD_DQ, c))
     plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
-    plan(q, k, v, out, dout, lse, dq, dk, dv, params.alibi_slopes, params.dropout_seed, seqs)
+    plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
     return plan
 
 
@@ -688,15 +736,24 @@ def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cac
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     if k is None:  # rotary on the queries alone: the key side of the kernel does nothing
         k = v = torch.empty((batch, 0, k_cache.shape[2], head_dim), dtype=q.dtype, device=q.device)
-    kvcache_update_kernel[(rows, max(nheads, k_cache.shape[2]), batch)](
-        q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
-        q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), 0 if rotary_cos is None else rotary_cos.stride(0), block_table.stride(0),
-        seqlen_q, seqlen_new, nheads, k_cache.shape[2], k_cache.shape[1], k_cache.shape[0],
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), ROTARY_HALF=rotary_half,
-        BLOCK_HALF=max(triton.next_power_of_2(max(rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
-        QUERY_PER_STEP=bool(query_per_step),
-    )
+    tensors = (q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)
+    key = None
+    if q.is_cuda and plans_enabled():
+        key = (q.device, bool(interleaved), bool(query_per_step), *(tensor_signature(t) for t in tensors))
+    call = None if key is None else _KVCACHE_UPDATE_PLANS.get(key)
+    if call is None:
+        call = CompiledCall(
+            kvcache_update_kernel, (rows, max(nheads, k_cache.shape[2]), batch),
+            (*tensors, q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
+             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+             v_cache.stride(2), 0 if rotary_cos is None else rotary_cos.stride(0), block_table.stride(0),
+             seqlen_q, seqlen_new, nheads, k_cache.shape[2], k_cache.shape[1], k_cache.shape[0]),
+            dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), ROTARY_HALF=rotary_half,
+                 BLOCK_HALF=max(triton.next_power_of_2(max(rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
+                 QUERY_PER_STEP=bool(query_per_step)),
+            slots=("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin", "CacheSeqlens", "BlockTable"))
+        if key is not None:
+            _KVCACHE_UPDATE_PLANS.put(key, call)
+    call(*tensors)
     return q_out

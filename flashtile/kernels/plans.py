@@ -5,7 +5,8 @@ the path and config, building grids and descriptors, Triton binding and speciali
 argument) used to take 90 us for the Hopper forward and 270 us for the backward's three launches
 on the H200 hosts: on a slower host draw the GPU waited for it. Everything in that work but the
 tensors' addresses is fixed by the call's *signature*: shapes, strides, dtypes, device, options
-and which pointers are 16-byte aligned (what Triton specialises on). So the first call of a
+and which pointers are 16-byte aligned (what Triton specialises on), and for packed batches and kv
+caches the host maxima (max_seqlen_q / max_seqlen_k), never the lengths the device tensors hold. So the first call of a
 signature goes the long way and leaves a plan; later calls replay it: new TMA descriptors for the
 new addresses, then each kernel's compiled launcher, called directly.
 
