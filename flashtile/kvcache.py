@@ -14,7 +14,9 @@ them. Steps 1 and 2 are one launch (kernels/kvcache_update.py).
 
 The public function checks its arguments and calls the ``flashtile::kvcache_fwd`` custom op
 (flashtile/ops.py), which declares that it writes k_cache and v_cache; the op's body is
-:func:`kvcache_attention` below, so ``torch.compile`` traces the call without graph breaks.
+:func:`kvcache_attention` below, so ``torch.compile`` traces the call without graph breaks. Eager
+calls run the body without the op's layers (ops.kvcache_attention_call); launch plans
+(kernels/plans.py) replay the update and forward launches of a call signature.
 """
 
 import functools

@@ -6,9 +6,9 @@ argument) used to take 90 us for the Hopper forward and 270 us for the backward'
 on the H200 hosts: on a slower host draw the GPU waited for it. Everything in that work but the
 tensors' addresses is fixed by the call's *signature*: shapes, strides, dtypes, device, options
 and which pointers are 16-byte aligned (what Triton specialises on), and for packed batches and kv
-caches the host maxima (max_seqlen_q / max_seqlen_k), never the lengths the device tensors hold. So the first call of a
-signature goes the long way and leaves a plan; later calls replay it: new TMA descriptors for the
-new addresses, then each kernel's compiled launcher, called directly.
+caches the host maxima (max_seqlen_q / max_seqlen_k), never the lengths the device tensors hold.
+So the first call of a signature goes the long way and leaves a plan; later calls replay it: new
+TMA descriptors for the new addresses, then each kernel's compiled launcher, called directly.
 
 Plans are used for CUDA tensors only, and never while anything could change what the long way
 decides: config overrides (configs.override), autotuning (FLASHTILE_AUTOTUNE=1), or
