@@ -193,6 +193,17 @@ def test_plan_cache_is_bounded():
     assert sorted(cache.plans) == [2, 3, 4] and cache.get(4) == 4 and cache.get(0) is None
 
 
+def test_get_or_make_keeps_what_it_makes_unless_the_key_is_none():
+    cache, made = plans.PlanCache(), []
+
+    def make():
+        made.append(object())
+        return made[-1]
+    assert cache.get_or_make("k", make) is cache.get_or_make("k", make) is made[0]
+    assert cache.get_or_make(None, make) is made[1] and len(cache.plans) == 1
+    assert cache.get_or_make(None, make) is made[2]
+
+
 def test_plans_are_off_under_override_and_autotune(monkeypatch):
     assert plans.enabled()
     with override(fwd=table_config("fwd", "interpreter", 64)):

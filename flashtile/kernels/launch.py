@@ -219,12 +219,8 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``."""
     if out.numel() == 0:
         return
-    plan_key = _plan_key(params, seqs, q, k, v, out, lse)
-    plan = None if plan_key is None else _FORWARD_PLANS.get(plan_key)
-    if plan is None:
-        plan = _forward_plan(q, k, v, out, lse, params, seqs)
-        if plan_key is not None:
-            _FORWARD_PLANS.put(plan_key, plan)
+    plan = _FORWARD_PLANS.get_or_make(_plan_key(params, seqs, q, k, v, out, lse),
+                                      lambda: _forward_plan(q, k, v, out, lse, params, seqs))
     plan(q, k, v, out, lse, params, seqs)
 
 
@@ -320,12 +316,8 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     if out.numel() == 0:
         return
     plan_key = _plan_key(params, seqs, q, k, v, out, lse)
-    plan_key = None if plan_key is None else (num_splits, *plan_key)
-    plan = None if plan_key is None else _SPLIT_FORWARD_PLANS.get(plan_key)
-    if plan is None:
-        plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits)
-        if plan_key is not None:
-            _SPLIT_FORWARD_PLANS.put(plan_key, plan)
+    plan = _SPLIT_FORWARD_PLANS.get_or_make(None if plan_key is None else (num_splits, *plan_key),
+                                            lambda: SplitForward(q, k, v, out, lse, params, seqs, num_splits))
     plan(q, k, v, out, lse, params, seqs)
 
 
@@ -740,9 +732,9 @@ def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cac
     key = None
     if q.is_cuda and plans_enabled():
         key = (q.device, bool(interleaved), bool(query_per_step), *(tensor_signature(t) for t in tensors))
-    call = None if key is None else _KVCACHE_UPDATE_PLANS.get(key)
-    if call is None:
-        call = CompiledCall(
+
+    def make() -> CompiledCall:
+        return CompiledCall(
             kvcache_update_kernel, (rows, max(nheads, k_cache.shape[2]), batch),
             (*tensors, q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
              k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -753,7 +745,5 @@ def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cac
                  BLOCK_HALF=max(triton.next_power_of_2(max(rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
                  QUERY_PER_STEP=bool(query_per_step)),
             slots=("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin", "CacheSeqlens", "BlockTable"))
-        if key is not None:
-            _KVCACHE_UPDATE_PLANS.put(key, call)
-    call(*tensors)
+    _KVCACHE_UPDATE_PLANS.get_or_make(key, make)(*tensors)
     return q_out

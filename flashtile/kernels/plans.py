@@ -55,6 +55,16 @@ class PlanCache:
             del self.plans[next(iter(self.plans))]
         self.plans[key] = plan
 
+    def get_or_make(self, key, make: Callable[[], Callable]) -> Callable:
+        """The plan kept under ``key``, or a new one from ``make()``, kept unless ``key`` is None
+        (a call no plan may serve: made, used once, dropped)."""
+        plan = None if key is None else self.plans.get(key)
+        if plan is None:
+            plan = make()
+            if key is not None:
+                self.put(key, plan)
+        return plan
+
     def clear(self) -> None:
         self.plans.clear()
 
