@@ -49,6 +49,8 @@ VARIANTS = {
     "c3_persist_rs": dataclasses.replace(C3_PERSIST, row_sum_mma=True),
     "c3pp_rs": dataclasses.replace(C3, pingpong=True, row_sum_mma=True),
     "c2n64pp_persist_rs": GluonFwdConfig(64, 4, pingpong=True, persistent=True, row_sum_mma=True),
+    "c2pp_persist_rs_trim": dataclasses.replace(C2_PP_PERSIST, row_sum_mma=True, trim_diagonal=True),
+    "c3_persist_rs_trim": dataclasses.replace(C3_PERSIST, row_sum_mma=True, trim_diagonal=True),
     "d128_plain": GluonFwdConfig(128, 2),
     "d128_persist": GluonFwdConfig(128, 2, persistent=True),
     "d128_pp": GluonFwdConfig(128, 2, pingpong=True),

@@ -78,6 +78,9 @@ class GluonFwdConfig:
     pingpong: bool = False
     persistent: bool = False
     row_sum_mma: bool = False
+    # Causal, head dim 64: a warpgroup whose rows see only the first half of the tile's last key
+    # block (the diagonal) multiplies just that half: 64 x 64 instead of 64 x 128.
+    trim_diagonal: bool = False
     heads_per_group: int = 1
 
     @property
@@ -216,8 +219,10 @@ _DEFAULT_GPU = {
 _D64_THREE_CONSUMERS = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24,
                                       row_sum_mma=True)
 _D64_THREE_CONSUMERS_PERSISTENT = replace(_D64_THREE_CONSUMERS, persistent=True)
-# ... and its best with short keys: two ping-pong consumer warpgroups, persistent.
+# ... and its best with short keys: two ping-pong consumer warpgroups, persistent; causal, the
+# diagonal block at half width for the warpgroup that sees only its first half.
 _D64_PINGPONG_PERSISTENT = GluonFwdConfig(128, 3, pingpong=True, persistent=True, row_sum_mma=True)
+_D64_PINGPONG_PERSISTENT_TRIMMED = replace(_D64_PINGPONG_PERSISTENT, trim_diagonal=True)
 
 # Measured per architecture: {arch: {kernel: [Rule, ...]}}.
 # sm90 (H100/H200), measured on an H200 in bf16 at 16k tokens, hidden 2048:
@@ -225,13 +230,15 @@ _D64_PINGPONG_PERSISTENT = GluonFwdConfig(128, 3, pingpong=True, persistent=True
 #   causal and non-causal (bench/results/2026-11-21-h200-tune*.md);
 # - the Gluon forward and backward: bench/gluon_fwd_probe.py and bench/gluon_bwd_probe.py,
 #   seqlen 1k/4k/16k (bench/results/2026-11-21-h200-gluon-*.json). At head dim 64 the causal
-#   forward stays on the Triton kernel below 4k keys (8k packed); head dims it does not list
+#   forward stays on the Triton kernel below 2k keys (8k packed); head dims it does not list
 #   fall back to the Triton kernel.
 _TUNED: dict = {
     "sm90": {
         FWD: [
-            # Causal d64 below 4k keys (8k packed; the Gluon forward takes over above): 64-row tiles
+            # Causal d64 below 2k keys (8k packed; the Gluon forward takes over above): 64-row tiles
             # waste less on the diagonal (bench/tune_configs.py --seqlen 1024/2048/4096: +9% / +5% / +4%).
+            # At 1k it still leads the Gluon forward with its diagonal trimmed (322 vs 308 TFLOP/s,
+            # bench/results/2026-11-22-h200-d64-causal-trim/).
             Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=3, use_tma=True), causal=True),
             Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3, use_tma=True)),
             Rule(128, KernelConfig(128, 128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True)),
@@ -248,9 +255,11 @@ _TUNED: dict = {
             # CTAs (causal 8k/16k: even; bench/results/2026-11-21-h200-operand-packing/d64-configs/).
             Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=False, min_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=4096),
-            # Causal dense batches from 4k keys: persistent CTAs beat the portable kernel (4k: +1.3 to
-            # +4.7%, 6k: +13%; bench/results/2026-11-21-h200-d64-forward/); at 1k / 2k it leads.
-            Rule(64, _D64_PINGPONG_PERSISTENT, causal=True, min_seqlen_k=4096, max_seqlen_k=5120, varlen=False),
+            # Causal dense batches from 2k keys: persistent CTAs beat the portable kernel (4k: +1.3 to
+            # +4.7%, 6k: +13%; bench/results/2026-11-21-h200-d64-forward/), and with the diagonal
+            # block trimmed also at 2k (+3%; bench/results/2026-11-22-h200-d64-causal-trim/).
+            Rule(64, _D64_PINGPONG_PERSISTENT_TRIMMED, causal=True, min_seqlen_k=2048, max_seqlen_k=5120,
+                 varlen=False),
             Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=True, min_seqlen_k=5120, max_seqlen_k=8192,
                  varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=True, min_seqlen_k=8192),

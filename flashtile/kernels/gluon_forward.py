@@ -11,7 +11,9 @@ One CTA owns a tile of NUM_CONSUMERS * 64 query rows of one (batch, head):
     overlap). The two consumer warpgroups run independently, so one's softmax naturally
     overlaps the other's wgmmas.
 Only the key blocks that can hold masked entries (the causal diagonal, the ragged end at sk)
-pay for the mask; causal blocks wholly above the diagonal are never loaded.
+pay for the mask; causal blocks wholly above the diagonal are never loaded. With trim_diagonal
+(causal, head dim 64), a warpgroup whose rows see only the first half of the tile's last key block
+multiplies just that half (64 x 64 products instead of 64 x 128).
 
 Varlen (IS_VARLEN, flash_attn_varlen_func's packed layout): the host passes the packed tensors as
 batch-1 views (1, total, h, d), so the same 4-D descriptors serve; the grid's third axis is the
@@ -73,6 +75,9 @@ CANDIDATES = {
         "c2_n128_s3_pp_persist_rs": GluonFwdConfig(128, 3, 2, 240, 40, True, True, True),
         "c3_n128_s2_rs": GluonFwdConfig(128, 2, 3, 160, 24, False, False, True),
         "c3_n128_s2_pp_rs": GluonFwdConfig(128, 2, 3, 160, 24, True, False, True),
+        # Causal: half-width products on the diagonal block (GluonFwdConfig.trim_diagonal).
+        "c2_n128_s3_pp_persist_rs_trim": GluonFwdConfig(128, 3, 2, 240, 40, True, True, True, True),
+        "c3_n128_s2_persist_rs_trim": GluonFwdConfig(128, 2, 3, 160, 24, False, True, True, True),
     },
     128: {
         "c2_n128_s2": GluonFwdConfig(128, 2, 2, 240, 40, False),
@@ -355,6 +360,19 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
 
 
 @gluon.jit
+def _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES: gl.constexpr):
+    """Ring slots of block j's K and block j - 1's V (kv0: the ring position of block 0), and their
+    phase, once both have landed: (stage, phase, prev)."""
+    stage = (kv0 + j) % NUM_STAGES
+    phase = ((kv0 + j) // NUM_STAGES) & 1
+    prev = (kv0 + j - 1) % NUM_STAGES
+    prev_phase = ((kv0 + j - 1) // NUM_STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    mbarrier.wait(v_ready.index(prev), prev_phase)
+    return stage, phase, prev
+
+
+@gluon.jit
 def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn,
                       other_turn, acc, p_op, m_i, l_i, j_start, j_end, kv0, turn0, rows, seqlen_k, diag,
                       qk_scale_log2, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
@@ -367,13 +385,7 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
     turn0: the ping-pong issue points of those tiles."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     for j in range(j_start, j_end):
-        stage = (kv0 + j) % NUM_STAGES
-        phase = ((kv0 + j) // NUM_STAGES) & 1
-        prev = (kv0 + j - 1) % NUM_STAGES
-        prev_phase = ((kv0 + j - 1) // NUM_STAGES) & 1
-
-        mbarrier.wait(k_ready.index(stage), phase)
-        mbarrier.wait(v_ready.index(prev), prev_phase)
+        stage, phase, prev = _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES)
         k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
         v_prev = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
         if PINGPONG:
@@ -410,13 +422,124 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
 
 
 @gluon.jit
+def _last_product(p_op, v_tile, ones_t, acc, l_i, my_turn, other_turn, turn_phase, PINGPONG: gl.constexpr,
+                  ROW_SUM_MMA: gl.constexpr):
+    """O += P V (and l += P 1) at this warpgroup's issue point with parity turn_phase, waited for."""
+    if PINGPONG:
+        mbarrier.wait(my_turn, turn_phase)
+    o_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    if ROW_SUM_MMA:
+        l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(other_turn)
+    if ROW_SUM_MMA:
+        acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_tile])
+    else:
+        acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_tile])
+    return acc, l_i
+
+
+@gluon.jit
+def _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i, n_total, kv0, turn0,
+           CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+           PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+    """O += P_last V_last once every S of the tile has retired (a persistent CTA hands Q back first).
+    (A persistent CTA issuing its next tile's S_0 together with this product measured -3..+2%:
+    bench/results/2026-11-21-h200-fwd-stream/.)"""
+    HEAD_DIM: gl.constexpr = v_smem.shape[4]
+    if PERSISTENT:
+        mbarrier.arrive(q_empty.index(CONSUMER))
+    last = kv0 + n_total - 1
+    stage = last % NUM_STAGES
+    mbarrier.wait(v_ready.index(stage), (last // NUM_STAGES) & 1)
+    v_last = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    acc, l_i = _last_product(p_op, v_last, ones_t, acc, l_i, my_turn, other_turn, (turn0 + n_total) & 1, PINGPONG,
+                             ROW_SUM_MMA)
+    mbarrier.arrive(v_empty.index(stage))
+    return acc, l_i
+
+
+@gluon.jit
+def _sees_half_of_last_block(my_start, seqlen_k, diag, n_total, BLOCK_N: gl.constexpr):
+    """Whether the 64 rows from my_start see no key past the first half of the tile's last key block
+    (the causal diagonal, or the ragged end, falls in its first half), with at least one block before it."""
+    last_seen = gl.minimum(seqlen_k - 1, my_start + 63 + diag)
+    return (n_total >= 2) & (last_seen < (n_total - 1) * BLOCK_N + BLOCK_N // 2)
+
+
+@gluon.jit
+def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
+                     other_turn, acc, p_op, m_i, l_i, j, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
+                     CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+                     p_layout: gl.constexpr):
+    """The tile's last key block j (>= 1) for a warpgroup whose rows see only its first BLOCK_N / 2 keys
+    (TRIM_DIAGONAL): S = Q K_j[:half]^T is issued with O += P_{j-1} V_{j-1}, then O += P_j V_j[:half].
+    Same issue points and ring releases as a full-width block. Head dim 64 (one swizzle chunk per
+    K, V row, so the first half of the keys is a whole 64-row view)."""
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    HALF: gl.constexpr = BLOCK_N // 2
+    gl.static_assert(HEAD_DIM == 64, "TRIM_DIAGONAL: head dim 64 only")
+    dtype: gl.constexpr = k_smem.dtype
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    h_rows: gl.constexpr = gl.SliceLayout(1, h_layout)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    stage, phase, prev = _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES)
+    k_half_t = k_smem.index(stage)._reinterpret(dtype, [2, HALF, HEAD_DIM], tile_layout).index(0).permute([1, 0])
+    v_prev = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+    if PINGPONG:
+        mbarrier.wait(my_turn, (turn0 + j) & 1)
+    s_tok = warpgroup_mma(q_op, k_half_t, gl.zeros([64, HALF], gl.float32, h_layout), use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+    if ROW_SUM_MMA:
+        ones_t = ones_smem.permute([1, 0])
+        l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(other_turn)
+    s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_op, k_half_t])
+    mbarrier.arrive(k_empty.index(stage))
+    if PERSISTENT:
+        mbarrier.arrive(q_empty.index(CONSUMER))  # every S of the tile has retired
+    m_h = gl.convert_layout(m_i, h_rows)
+    if ROW_SUM_MMA:
+        l_h = l_i
+    else:
+        l_h = gl.convert_layout(l_i, h_rows)
+    p, alpha, m_h, l_h = _softmax_block(s, m_h, l_h, gl.convert_layout(rows, h_rows), j * BLOCK_N, seqlen_k, diag,
+                                        qk_scale_log2, HALF, True, CAUSAL, h_layout, ROW_SUM_MMA)
+    if ROW_SUM_MMA:
+        acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
+        l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
+    else:
+        acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_prev])
+        l_i = gl.convert_layout(l_h, m_i.type.layout)
+    mbarrier.arrive(v_empty.index(prev))
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    m_i = gl.convert_layout(m_h, m_i.type.layout)
+    p_half = _probabilities_operand(p, dtype, p_layout)
+
+    # O += P_j V_j[:half] (and l += P_j 1).
+    mbarrier.wait(v_ready.index(stage), phase)
+    v_half = v_smem.index(stage)._reinterpret(dtype, [2, HALF, HEAD_DIM], tile_layout).index(0)
+    ones_half_t = ones_smem  # unused without ROW_SUM_MMA
+    if ROW_SUM_MMA:
+        ones_half_t = ones_smem._reinterpret(dtype, [2, 8, HALF], tile_layout).index(0).permute([1, 0])
+    acc, l_i = _last_product(p_half, v_half, ones_half_t, acc, l_i, my_turn, other_turn, (turn0 + j + 1) & 1,
+                             PINGPONG, ROW_SUM_MMA)
+    mbarrier.arrive(v_empty.index(stage))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
              turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, kv0, turn0, q_phase,
              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
-             HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+             HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+             TRIM_DIAGONAL: gl.constexpr):
     """One 64-row slice of a tile. kv0 / turn0 / q_phase: the K/V ring position, ping-pong issue
     points and tiles (mod 2) of the tiles a persistent CTA ran before this one (0 otherwise).
     A persistent CTA hands Q back to the loader after the tile's last S and stages O in o_smem, so
@@ -499,7 +622,12 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                                                 True, CAUSAL, s_layout, ROW_SUM_MMA)
         p_op = _probabilities_operand(p, v_smem.dtype, p_layout)
 
-        # Mask-free blocks, then the blocks on the diagonal / ragged end.
+        # Mask-free blocks, then the blocks on the diagonal / ragged end (but a last block this
+        # warpgroup sees only the first half of, with TRIM_DIAGONAL).
+        n_wide = n_total
+        if TRIM_DIAGONAL:
+            half_last = _sees_half_of_last_block(my_start, seqlen_k, diag, n_total, BLOCK_N)
+            n_wide = n_total - half_last.to(gl.int32)
         split = gl.maximum(n_unmasked, 1)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
@@ -507,30 +635,22 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK, ROW_SUM_MMA)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
-            m_i, l_i, split, n_total, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
+            m_i, l_i, split, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
             BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK, ROW_SUM_MMA)
 
-        if PERSISTENT:
-            mbarrier.arrive(q_empty.index(CONSUMER))  # every S of the tile has retired
-
-        # Drain: O += P_last V_last. (A persistent CTA issuing its next tile's S_0 together with this
-        # product measured -3..+2%: bench/results/2026-11-21-h200-fwd-stream/.)
-        last = kv0 + n_total - 1
-        stage = last % NUM_STAGES
-        mbarrier.wait(v_ready.index(stage), (last // NUM_STAGES) & 1)
-        v_last = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-        if PINGPONG:
-            mbarrier.wait(my_turn, (turn0 + n_total) & 1)
-        o_tok = warpgroup_mma(p_op, v_last, acc, is_async=True)
-        if ROW_SUM_MMA:
-            l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(other_turn)
-        if ROW_SUM_MMA:
-            acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_last])
+        if TRIM_DIAGONAL:
+            if n_wide < n_total:
+                acc, m_i, l_i = _half_last_block(
+                    q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
+                    other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
+                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, PERSISTENT, ROW_SUM_MMA, p_layout)
+            else:
+                acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
+                                  n_total, kv0, turn0, CONSUMER, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT,
+                                  ROW_SUM_MMA)
         else:
-            acc, _, _ = warpgroup_mma_wait(0, deps=[o_tok, p_op, v_last])
-        mbarrier.arrive(v_empty.index(stage))
+            acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
+                              n_total, kv0, turn0, CONSUMER, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, ROW_SUM_MMA)
     elif PERSISTENT:
         mbarrier.arrive(q_empty.index(CONSUMER))
     if ROW_SUM_MMA:
@@ -604,7 +724,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
-              ROW_SUM_MMA: gl.constexpr):
+              ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr):
     if PERSISTENT:
         kv0 = 0
         turn0 = 0
@@ -618,7 +738,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_unmasked, n_total,
                          kv0, turn0, tile_iter & 1, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
-                         False, False, HEAD_DIM_TRUE, True, ROW_SUM_MMA)
+                         False, False, HEAD_DIM_TRUE, True, ROW_SUM_MMA, TRIM_DIAGONAL)
                 kv0 += n_total
                 # A tile with key blocks has n_total + 1 issue points (S_0, then S_j with
                 # P_{j-1} V_{j-1}, then the last P V).
@@ -637,13 +757,13 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked,
                          n_total, 0, 0, 0, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         seqused_q is not None, HEAD_DIM_TRUE, False, ROW_SUM_MMA)
+                         seqused_q is not None, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, 0, 0, 0,
                      CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE,
-                     False, ROW_SUM_MMA)
+                     False, ROW_SUM_MMA, TRIM_DIAGONAL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -666,7 +786,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                           PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
                           IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
-                          ROW_SUM_MMA: gl.constexpr):
+                          ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr = False):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -719,12 +839,12 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
@@ -736,17 +856,17 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
@@ -862,7 +982,8 @@ class ForwardPlan:
             dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
                  CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
                  CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
-                 ROW_SUM_MMA=cfg.row_sum_mma, num_warps=4),
+                 ROW_SUM_MMA=cfg.row_sum_mma, TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
+                 num_warps=4),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr"))
 
