@@ -45,6 +45,7 @@ VARIANTS = {
     "c3_persist": C3_PERSIST,
     # Row sums on the tensor cores (GluonFwdConfig.row_sum_mma).
     "c2pp_persist_rs": dataclasses.replace(C2_PP_PERSIST, row_sum_mma=True),
+    "c2_persist_rs": dataclasses.replace(C2_PP_PERSIST, pingpong=False, row_sum_mma=True),
     "c3_rs": dataclasses.replace(C3, row_sum_mma=True),
     "c3_persist_rs": dataclasses.replace(C3_PERSIST, row_sum_mma=True),
     "c3pp_rs": dataclasses.replace(C3, pingpong=True, row_sum_mma=True),

@@ -219,9 +219,12 @@ _DEFAULT_GPU = {
 _D64_THREE_CONSUMERS = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24,
                                       row_sum_mma=True)
 _D64_THREE_CONSUMERS_PERSISTENT = replace(_D64_THREE_CONSUMERS, persistent=True)
-# ... and its best with short keys: two ping-pong consumer warpgroups, persistent; causal, the
-# diagonal block at half width for the warpgroup that sees only its first half.
+# ... and its best with short keys: two consumer warpgroups, persistent; non-causal without ping-pong
+# (at 1k: +1.5 / +0.9 / +1.2 / +1.3% over ping-pong in four runs, the last
+# bench/results/2026-11-22-h200-split-short-tile/ab-c2-1k.json); causal with it, the diagonal block at
+# half width for the warpgroup that sees only its first half.
 _D64_PINGPONG_PERSISTENT = GluonFwdConfig(128, 3, pingpong=True, persistent=True, row_sum_mma=True)
+_D64_TWO_CONSUMERS_PERSISTENT = replace(_D64_PINGPONG_PERSISTENT, pingpong=False)
 _D64_PINGPONG_PERSISTENT_TRIMMED = replace(_D64_PINGPONG_PERSISTENT, trim_diagonal=True)
 
 # Measured per architecture: {arch: {kernel: [Rule, ...]}}.
@@ -250,7 +253,7 @@ _TUNED: dict = {
             # (bench/results/2026-11-21-h200-persistent/). Packed batches keep the per-tile grid.
             # Head dim 64 takes its row sums on the tensor cores: +1-3% full, +4-10% causal
             # (bench/results/2026-11-21-h200-row-sum-mma/); they cost the tensor-bound d128 / d256 2-6%.
-            Rule(64, _D64_PINGPONG_PERSISTENT, causal=False, max_seqlen_k=2048, varlen=False),
+            Rule(64, _D64_TWO_CONSUMERS_PERSISTENT, causal=False, max_seqlen_k=2048, varlen=False),
             # Persistent, non-causal d64 from 2k keys: +7/+4/+3/+3% at 2k/4k/8k/16k over per-tile
             # CTAs (causal 8k/16k: even; bench/results/2026-11-21-h200-operand-packing/d64-configs/).
             Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=False, min_seqlen_k=2048, varlen=False),

@@ -71,8 +71,9 @@ CANDIDATES = {
         "c3_n128_s2_pp_persist": GluonFwdConfig(128, 2, 3, 160, 24, True, True),
         "c2_n64_s4_pp_persist": GluonFwdConfig(64, 4, 2, 240, 40, True, True),
         "c3_n64_s4_pp_persist": GluonFwdConfig(64, 4, 3, 160, 24, True, True),
-        # Row sums on the tensor cores (the table's choice at d64).
+        # Row sums on the tensor cores (the table's choices at d64).
         "c2_n128_s3_pp_persist_rs": GluonFwdConfig(128, 3, 2, 240, 40, True, True, True),
+        "c2_n128_s3_persist_rs": GluonFwdConfig(128, 3, 2, 240, 40, False, True, True),
         "c3_n128_s2_rs": GluonFwdConfig(128, 2, 3, 160, 24, False, False, True),
         "c3_n128_s2_pp_rs": GluonFwdConfig(128, 2, 3, 160, 24, True, False, True),
         # Causal: half-width products on the diagonal block (GluonFwdConfig.trim_diagonal).
