@@ -82,6 +82,10 @@ class GluonFwdConfig:
     # block (the diagonal) multiplies just that half: 64 x 64 instead of 64 x 128.
     trim_diagonal: bool = False
     heads_per_group: int = 1
+    # Causal, without ping-pong: each consumer warpgroup stops at the last key block its own 64 rows
+    # see (the tile's first warpgroups skip the blocks only later rows see, releasing their ring
+    # slots unread) and masks only the blocks its own rows cut.
+    own_key_range: bool = False
 
     @property
     def block_m(self) -> int:
@@ -214,18 +218,22 @@ _DEFAULT_GPU = {
     BWD_PREPROCESS: [Rule(256, RowBlockConfig(64))],
 }
 
-# The Hopper forward's best head-dim-64 config from 2k keys (dense) / 4k (packed) / 8k (causal; dense
-# batches from 5k), run persistent on dense batches.
+# The Hopper forward's best non-causal head-dim-64 config from 2k keys (dense, run persistent) / 4k
+# (packed), and the causal one for packed batches from 8k keys.
 _D64_THREE_CONSUMERS = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24,
                                       row_sum_mma=True)
 _D64_THREE_CONSUMERS_PERSISTENT = replace(_D64_THREE_CONSUMERS, persistent=True)
-# ... and its best with short keys: two consumer warpgroups, persistent; non-causal without ping-pong
-# (at 1k: +1.5 / +0.9 / +1.2 / +1.3% over ping-pong in four runs, the last
-# bench/results/2026-11-22-h200-split-short-tile/ab-c2-1k.json); causal with it, the diagonal block at
-# half width for the warpgroup that sees only its first half.
-_D64_PINGPONG_PERSISTENT = GluonFwdConfig(128, 3, pingpong=True, persistent=True, row_sum_mma=True)
-_D64_TWO_CONSUMERS_PERSISTENT = replace(_D64_PINGPONG_PERSISTENT, pingpong=False)
-_D64_PINGPONG_PERSISTENT_TRIMMED = replace(_D64_PINGPONG_PERSISTENT, trim_diagonal=True)
+# ... and its best with short keys: four consumer warpgroups (256-row tiles, so a 1k head is 4 whole
+# tiles; at 112 registers per thread the key blocks are 64 wide), persistent. Non-causal below 2k keys:
+# 437-447 against 400-406 TFLOP/s for two consumers at 1k, even at 2k. Causal from 2k keys: each
+# warpgroup stops at its own diagonal (GluonFwdConfig.own_key_range) and a 10-deep K/V ring lets the
+# warpgroups of a tile drift apart by their 1-3 blocks: 387-392 / 432-439 / 454-463 / 473 TFLOP/s at
+# 2k / 4k / 8k / 16k, where the previous choices (two consumers with the trimmed diagonal below 5k,
+# three above) timed 370-374 / 404-408 / 448-450 / 470-479 in the same A/B runs;
+# bench/results/2026-11-22-h200-four-consumers/.
+_D64_FOUR_CONSUMERS_PERSISTENT = GluonFwdConfig(64, 4, num_consumers=4, consumer_regs=112, loader_regs=24,
+                                                persistent=True, row_sum_mma=True)
+_D64_FOUR_CONSUMERS_OWN_RANGE = replace(_D64_FOUR_CONSUMERS_PERSISTENT, num_stages=10, own_key_range=True)
 
 # Measured per architecture: {arch: {kernel: [Rule, ...]}}.
 # sm90 (H100/H200), measured on an H200 in bf16 at 16k tokens, hidden 2048:
@@ -253,18 +261,13 @@ _TUNED: dict = {
             # (bench/results/2026-11-21-h200-persistent/). Packed batches keep the per-tile grid.
             # Head dim 64 takes its row sums on the tensor cores: +1-3% full, +4-10% causal
             # (bench/results/2026-11-21-h200-row-sum-mma/); they cost the tensor-bound d128 / d256 2-6%.
-            Rule(64, _D64_TWO_CONSUMERS_PERSISTENT, causal=False, max_seqlen_k=2048, varlen=False),
+            Rule(64, _D64_FOUR_CONSUMERS_PERSISTENT, causal=False, max_seqlen_k=2048, varlen=False),
             # Persistent, non-causal d64 from 2k keys: +7/+4/+3/+3% at 2k/4k/8k/16k over per-tile
             # CTAs (causal 8k/16k: even; bench/results/2026-11-21-h200-operand-packing/d64-configs/).
             Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=False, min_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=4096),
-            # Causal dense batches from 2k keys: persistent CTAs beat the portable kernel (4k: +1.3 to
-            # +4.7%, 6k: +13%; bench/results/2026-11-21-h200-d64-forward/), and with the diagonal
-            # block trimmed also at 2k (+3%; bench/results/2026-11-22-h200-d64-causal-trim/).
-            Rule(64, _D64_PINGPONG_PERSISTENT_TRIMMED, causal=True, min_seqlen_k=2048, max_seqlen_k=5120,
-                 varlen=False),
-            Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=True, min_seqlen_k=5120, max_seqlen_k=8192,
-                 varlen=False),
+            # Causal dense batches from 2k keys (below, the portable kernel's 64-row tiles lead).
+            Rule(64, _D64_FOUR_CONSUMERS_OWN_RANGE, causal=True, min_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=True, min_seqlen_k=8192),
             Rule(64, None),
             # Head dims 96 and 192 (padded to 128 / 256) take these rules: they run the d128 / d256

@@ -3,17 +3,20 @@
 One CTA owns a tile of NUM_CONSUMERS * 64 query rows of one (batch, head):
   * a loader partition (1 warp) streams K and V tiles with TMA into a NUM_STAGES ring,
     each slot guarded by a "ready" mbarrier (TMA bytes landed) and an "empty" mbarrier
-    (both consumer warpgroups finished reading it);
+    (every consumer warpgroup finished reading it);
   * each consumer partition is one warpgroup owning 64 query rows. It computes
     S = Q K^T with wgmma from shared memory and O += P V with P kept in registers (wgmma
     register A operand, no shared-memory round trip). The wgmmas are async: S_{j+1} = Q K_{j+1}^T
     and O += P_j V_j are in flight while the softmax of block j+1 runs (FA3 intra-warpgroup
-    overlap). The two consumer warpgroups run independently, so one's softmax naturally
-    overlaps the other's wgmmas.
+    overlap). The consumer warpgroups (2, 3 or 4) run independently, so one's softmax naturally
+    overlaps another's wgmmas.
 Only the key blocks that can hold masked entries (the causal diagonal, the ragged end at sk)
 pay for the mask; causal blocks wholly above the diagonal are never loaded. With trim_diagonal
 (causal, head dim 64), a warpgroup whose rows see only the first half of the tile's last key block
-multiplies just that half (64 x 64 products instead of 64 x 128).
+multiplies just that half (64 x 64 products instead of 64 x 128). With own_key_range (causal, no
+ping-pong), each warpgroup multiplies only the key blocks its own 64 rows see and masks only those
+its rows cut: in a 4 x 64-row tile with 64-key blocks the first warpgroup skips 3 blocks the last
+one needs, and hands their ring slots back unread.
 
 Varlen (IS_VARLEN, flash_attn_varlen_func's packed layout): the host passes the packed tensors as
 batch-1 views (1, total, h, d), so the same 4-D descriptors serve; the grid's third axis is the
@@ -79,6 +82,10 @@ CANDIDATES = {
         # Causal: half-width products on the diagonal block (GluonFwdConfig.trim_diagonal).
         "c2_n128_s3_pp_persist_rs_trim": GluonFwdConfig(128, 3, 2, 240, 40, True, True, True, True),
         "c3_n128_s2_persist_rs_trim": GluonFwdConfig(128, 2, 3, 160, 24, False, True, True, True),
+        # Four consumers (256-row tiles) fit 112 registers with 64-key blocks (120 spills more).
+        "c4_n64_s4_persist_rs": GluonFwdConfig(64, 4, 4, 112, 24, False, True, True),
+        "c4_n64_s4_rs_own": GluonFwdConfig(64, 4, 4, 112, 24, False, False, True, own_key_range=True),
+        "c4_n64_s10_persist_rs_own": GluonFwdConfig(64, 10, 4, 112, 24, False, True, True, own_key_range=True),
     },
     128: {
         "c2_n128_s2": GluonFwdConfig(128, 2, 2, 240, 40, False),
@@ -217,24 +224,36 @@ def _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M: gl.constexpr, CA
     return pid_m * BLOCK_M, head, head // head_group, head_batch // nheads
 
 
+@gluon.jit
+def _chunk_start(start_m, c, reverse, NUM_CONSUMERS: gl.constexpr):
+    """First row of warpgroup c's 64 rows in the tile from start_m: chunk c, or with ``reverse`` chunk
+    NUM_CONSUMERS - 1 - c. Persistent causal pairs with own key ranges reverse their second tile, so
+    the warpgroup with the fewest key blocks in one tile has the most in the other: every warpgroup
+    then multiplies the same number of blocks per pair (4k + c + 1 and 4(n - 1 - k) + (3 - c) + 1)."""
+    row = start_m + c * 64
+    if reverse:
+        row = start_m + (NUM_CONSUMERS - 1 - c) * 64
+    return row
+
+
 # ----------------------------------------------------------------------------------------------
 # Loader partition: Q once, then the K/V ring.
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
 def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                v_empty, tma_batch, q_row, k_start, head, kv_head, n_total, kv0, q_phase,
+                v_empty, tma_batch, q_row, k_start, head, kv_head, n_total, kv0, q_phase, reverse,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                 PERSISTENT: gl.constexpr):
     """Q of one tile, then its n_total K/V blocks. kv0: K/V blocks this CTA loaded before (the ring
     position); q_phase: tiles before, mod 2 (persistent CTAs wait until the consumers released the
-    previous tile's Q)."""
+    previous tile's Q); reverse: see _chunk_start."""
     for c in gl.static_range(NUM_CONSUMERS):
         if PERSISTENT:
             mbarrier.wait(q_empty.index(c), q_phase ^ 1)
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [tma_batch, q_row + c * 64, head, 0], q_ready.index(c),
-                                        q_smem.index(c))
+        tma.async_copy_global_to_shared(q_desc, [tma_batch, _chunk_start(q_row, c, reverse, NUM_CONSUMERS), head, 0],
+                                        q_ready.index(c), q_smem.index(c))
 
     for jj in range(n_total):
         j = kv0 + jj
@@ -256,7 +275,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
             heads_per_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
             NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            PERSISTENT: gl.constexpr):
+            PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
     if PERSISTENT:
         kv0 = 0
         tile_iter = 0
@@ -265,8 +284,11 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
                 n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                reverse = False
+                if OWN_KEY_RANGE:
+                    reverse = half == 1
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, kv0, tile_iter & 1,
+                            v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, kv0, tile_iter & 1, reverse,
                             BLOCK_N, NUM_STAGES, NUM_CONSUMERS, True)
                 kv0 += n_total
                 tile_iter += 1
@@ -280,11 +302,11 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             # Key blocks running past the sequence read the next one's keys (masked by the consumers).
             if valid:
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, 0, q_start + start_m, k_start, head, kv_head, n_total, 0, 0,
+                            v_ready, v_empty, 0, q_start + start_m, k_start, head, kv_head, n_total, 0, 0, False,
                             BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
         else:
             _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                        v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, 0, 0,
+                        v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, 0, 0, False,
                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
 
 
@@ -469,6 +491,31 @@ def _sees_half_of_last_block(my_start, seqlen_k, diag, n_total, BLOCK_N: gl.cons
 
 
 @gluon.jit
+def _own_key_range(my_start, seqlen_k, diag, n_unmasked, n_total, BLOCK_N: gl.constexpr):
+    """(n_unmasked, n_total) of the 64 causal rows from my_start alone (OWN_KEY_RANGE), within the
+    tile's: blocks past the last key its last row sees are not its work, and blocks wholly before its
+    first row's diagonal need no mask."""
+    visible_end = gl.minimum(gl.maximum(my_start + 64 + diag, 0), seqlen_k)
+    n_mine = gl.minimum(gl.cdiv(visible_end, BLOCK_N), n_total)
+    free = gl.minimum(gl.maximum(my_start + diag + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+    return gl.minimum(gl.maximum(free, n_unmasked), n_mine), n_mine
+
+
+@gluon.jit
+def _release_blocks(k_ready, k_empty, v_ready, v_empty, kv0, j_start, j_end, NUM_STAGES: gl.constexpr):
+    """Hands ring slots of blocks [j_start, j_end) back unread (blocks only later warpgroups see).
+    Each arrival waits until the slot holds its block: an arrival for a block not yet loaded would
+    count toward the slot's previous use and free it under a warpgroup still reading it."""
+    for j in range(j_start, j_end):
+        stage = (kv0 + j) % NUM_STAGES
+        phase = ((kv0 + j) // NUM_STAGES) & 1
+        mbarrier.wait(k_ready.index(stage), phase)
+        mbarrier.arrive(k_empty.index(stage))
+        mbarrier.wait(v_ready.index(stage), phase)
+        mbarrier.arrive(v_empty.index(stage))
+
+
+@gluon.jit
 def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
                      other_turn, acc, p_op, m_i, l_i, j, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
                      CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -536,11 +583,11 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
 def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
              turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, kv0, turn0, q_phase,
-             CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             reverse, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
              HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
-             TRIM_DIAGONAL: gl.constexpr):
+             TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
     """One 64-row slice of a tile. kv0 / turn0 / q_phase: the K/V ring position, ping-pong issue
     points and tiles (mod 2) of the tiles a persistent CTA ran before this one (0 otherwise).
     A persistent CTA hands Q back to the loader after the tile's last S and stages O in o_smem, so
@@ -572,7 +619,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     else:
         ones_t = ones_smem
 
-    my_start = start_m + CONSUMER * 64
+    my_start = _chunk_start(start_m, CONSUMER, reverse, BLOCK_M // 64)
     rows = my_start + gl.arange(0, 64, layout=row_layout)
     diag = seqlen_k - seqlen_q
 
@@ -584,6 +631,11 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     q_op = q_buf.reshape([64, HEAD_DIM])
     mbarrier.wait(q_ready.index(CONSUMER), q_phase)
 
+    # The tile's key blocks [0, n_total) are loaded; this warpgroup multiplies [0, n_mine).
+    n_mine = n_total
+    if OWN_KEY_RANGE:
+        n_unmasked, n_mine = _own_key_range(my_start, seqlen_k, diag, n_unmasked, n_total, BLOCK_N)
+
     m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
     if ROW_SUM_MMA:
         l_i = gl.zeros([64, 8], gl.float32, l_layout)
@@ -591,7 +643,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
-    if n_total > 0:
+    if n_mine > 0:
         # Block 0 alone: S_0, softmax, nothing to overlap yet.
         stage0 = kv0 % NUM_STAGES
         mbarrier.wait(k_ready.index(stage0), (kv0 // NUM_STAGES) & 1)
@@ -625,7 +677,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
 
         # Mask-free blocks, then the blocks on the diagonal / ragged end (but a last block this
         # warpgroup sees only the first half of, with TRIM_DIAGONAL).
-        n_wide = n_total
+        n_wide = n_mine
         if TRIM_DIAGONAL:
             half_last = _sees_half_of_last_block(my_start, seqlen_k, diag, n_total, BLOCK_N)
             n_wide = n_total - half_last.to(gl.int32)
@@ -651,9 +703,11 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                                   ROW_SUM_MMA)
         else:
             acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
-                              n_total, kv0, turn0, CONSUMER, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, ROW_SUM_MMA)
+                              n_mine, kv0, turn0, CONSUMER, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT, ROW_SUM_MMA)
     elif PERSISTENT:
         mbarrier.arrive(q_empty.index(CONSUMER))
+    if OWN_KEY_RANGE:
+        _release_blocks(k_ready, k_empty, v_ready, v_empty, kv0, n_mine, n_total, NUM_STAGES)
     if ROW_SUM_MMA:
         l_i = gl.convert_layout(gl.max(l_i, axis=1), row_layout)
 
@@ -725,7 +779,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
-              ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr):
+              ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
     if PERSISTENT:
         kv0 = 0
         turn0 = 0
@@ -735,11 +789,15 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
                 n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                reverse = False
+                if OWN_KEY_RANGE:
+                    reverse = half == 1
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_unmasked, n_total,
-                         kv0, turn0, tile_iter & 1, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
-                         False, False, HEAD_DIM_TRUE, True, ROW_SUM_MMA, TRIM_DIAGONAL)
+                         kv0, turn0, tile_iter & 1, reverse, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
+                         False, False, HEAD_DIM_TRUE, True, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)
                 kv0 += n_total
                 # A tile with key blocks has n_total + 1 issue points (S_0, then S_j with
                 # P_{j-1} V_{j-1}, then the last P V).
@@ -757,14 +815,15 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked,
-                         n_total, 0, 0, 0, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         seqused_q is not None, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL)
+                         n_total, 0, 0, 0, False, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
+                         seqused_q is not None, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
-                     start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, 0, 0, 0,
+                     start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, 0, 0, 0, False,
                      CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE,
-                     False, ROW_SUM_MMA, TRIM_DIAGONAL)
+                     False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -787,7 +846,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                           PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
                           IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
-                          ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr = False):
+                          ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr = False,
+                          OWN_KEY_RANGE: gl.constexpr = False):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -832,47 +892,84 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     if PINGPONG:
         mbarrier.arrive(turn.index(0))  # consumer 0 issues first
 
-    # Argument tuples are written inline: a tuple bound to a variable would turn the
-    # constexprs into runtime scalars. Each consumer gets its index as a literal (a constexpr).
+    # Argument tuples are written inline: a tuple bound to a variable would turn the constexprs (and
+    # the None arguments) into runtime values. Each consumer gets its index as a literal (a constexpr).
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                       IS_VARLEN, PERSISTENT)),
+                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    else:
+    elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL)),
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                       IS_VARLEN, PERSISTENT)),
+                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.static_assert(NUM_CONSUMERS == 4, "2, 3 or 4 consumer warpgroups")
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, heads_per_group, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, heads_per_group, qk_scale_log2, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+        ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -930,6 +1027,8 @@ class ForwardPlan:
         cfg = config
         assert lse.stride(-1) == 1 and out.stride(-1) == 1
         assert not cfg.pingpong or cfg.num_consumers >= 2
+        # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
+        assert not cfg.own_key_range or not (cfg.pingpong or cfg.trim_diagonal)
         assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
         varlen = cu_seqlens_q is not None
         if varlen:
@@ -983,7 +1082,9 @@ class ForwardPlan:
             dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
                  CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
                  CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
-                 ROW_SUM_MMA=cfg.row_sum_mma, TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
+                 ROW_SUM_MMA=cfg.row_sum_mma,
+                 TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
+                 OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
                  num_warps=4),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr"))
