@@ -79,7 +79,8 @@ class GluonFwdConfig:
     persistent: bool = False
     row_sum_mma: bool = False
     # Causal, head dim 64: a warpgroup whose rows see only the first half of the tile's last key
-    # block (the diagonal) multiplies just that half: 64 x 64 instead of 64 x 128.
+    # block (the diagonal) multiplies just that half: 64 x 64 instead of 64 x 128. Works with ping-pong;
+    # no table rule uses it since own_key_range (below) with four consumers led from 2k keys.
     trim_diagonal: bool = False
     heads_per_group: int = 1
     # Causal, without ping-pong: each consumer warpgroup stops at the last key block its own 64 rows
@@ -248,8 +249,8 @@ _TUNED: dict = {
         FWD: [
             # Causal d64 below 2k keys (8k packed; the Gluon forward takes over above): 64-row tiles
             # waste less on the diagonal (bench/tune_configs.py --seqlen 1024/2048/4096: +9% / +5% / +4%).
-            # At 1k it still leads the Gluon forward with its diagonal trimmed (322 vs 308 TFLOP/s,
-            # bench/results/2026-11-22-h200-d64-causal-trim/).
+            # At 1k it still leads every Gluon forward config tried, four consumers with their own key
+            # ranges included (310 vs 277-307 TFLOP/s, bench/results/2026-11-22-h200-four-consumers/).
             Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=3, use_tma=True), causal=True),
             Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3, use_tma=True)),
             Rule(128, KernelConfig(128, 128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True)),
