@@ -10,7 +10,7 @@ Triton backward's gradients).
 Variants: ``base:<config>`` runs the baseline module, ``new:<config>`` the working one, ``X:<config>``
 a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py (several experiments in one run); <config> is
 ``table`` (the committed table entry for the point) or a name in VARIANTS (forward) or in
-gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+hf``, ``+g8``, ``+f1``. Forward
+gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+ps``, ``+hf``, ``+g8``, ``+f1``. Forward
 ``lib``: flash_attn_func through the library's own dispatch and launch plans (whichever kernel the
 tables pick, the portable Triton kernels included). Also timed:
 torch SDPA's cuDNN backend (the ratios' anchor; its backward through autograd). Prints a table of
@@ -135,6 +135,8 @@ def resolve(spec, d, causal, seqlen, mode="fwd"):
             break
         if suffix == "oc":
             cfg = dataclasses.replace(cfg, overlap_convert=True)
+        elif suffix == "ps":  # backward: persistent (head dim 64)
+            cfg = dataclasses.replace(cfg, persistent=True)
         elif suffix in ("hf", "kf"):  # backward: KV heads (or key blocks) the grid's first axis
             cfg = dataclasses.replace(cfg, heads_first=suffix == "hf")
         elif suffix.startswith("f"):  # the group size tile_order.heads_per_group gives with this factor

@@ -121,6 +121,10 @@ class GluonBwdConfig:
     # reads; a computed remap cost the consumers registers, kernels/tile_order.py.) Concurrent CTAs
     # then span a batch's heads, which shares less in L2: it loses on long or full-mask grids.
     heads_first: bool = False
+    # Dense batches, head dims 64 (block_m 128): one CTA per SM runs key blocks one after another,
+    # drawing them from a counter, so no CTA launch separates them and the next key block's first
+    # Q / dO tiles load while the current one ends (gluon_backward.py, "Persistent backward").
+    persistent: bool = False
 
     @property
     def dq_split_m(self) -> bool:
@@ -284,7 +288,12 @@ _TUNED: dict = {
             Rule(256, GluonFwdConfig(64, 2, pingpong=True, heads_per_group=0)),
         ],
         BWD_GLUON: [
-            Rule(64, GluonBwdConfig(block_m=128, num_stages=2)),
+            # Head dim 64: one CTA per SM running key block after key block (GluonBwdConfig.persistent;
+            # varlen batches run the per-key-block kernel). Against it, in one process: causal +4.8 / +4.9
+            # / +2.1 / +2.3 / +3.2% at 1k / 2k / 4k / 8k / 16k; non-causal +1.1 / -1.0 / -1.1 / -2.5 / -0.3%
+            # (+2.4 / +3.6 / +2.4 / -0.3 / +3.2% in an earlier run: noise-level either way)
+            # (bench/results/2026-11-22-h200-persistent-bwd-landed/).
+            Rule(64, GluonBwdConfig(block_m=128, num_stages=2, persistent=True)),
             # Also head dim 96 (and 192 below), on tiles of the padded width. Causal grids below 8k keys
             # start every head's longest key block first: +1.6 / +4.2% at 1k / 2k, even at 4k-6k, -4% at
             # 16k; at head dims 64 / 256 even or worse (bench/results/2026-11-21-h200-bwd-launch-order/).

@@ -97,6 +97,7 @@ def test_gluon_forward_lse_accuracy(dtype, row_sum_mma):
 
 
 PERSISTENT_FWD = [(d, cfg) for d, cfg in GLUON_FWD if cfg.persistent]
+PERSISTENT_BWD = [(d, cfg) for d, cfg in GLUON_BWD if cfg.persistent]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run on sm90 only")
@@ -113,3 +114,25 @@ def test_gluon_persistent_forward_many_tiles(causal, seqlen_q, seqlen_k, index):
     q, k, v = make_qkv(6, seqlen_q, seqlen_k, 16, 4, head_dim, torch.bfloat16)
     with override(fwd_gluon=config):
         check_against_reference(flash_attn_func, q, k, v, causal=causal, backward=False)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run on sm90 only")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(777, 777), (1000, 300), (300, 1000), (64, 64), (1, 239), (239, 1)])
+@pytest.mark.parametrize("ctas", [3, None], ids=["3ctas", "1persm"])
+@pytest.mark.parametrize("index", range(max(len(PERSISTENT_BWD), 1)))
+def test_gluon_persistent_backward_many_units(causal, seqlen_q, seqlen_k, ctas, index, monkeypatch):
+    """A persistent backward with many key blocks per CTA (3 CTAs, or one per SM): the ring position,
+    the dS^T buffers' phases and the K, V hand-over carry over from key block to key block, through
+    ragged key blocks and query heads of a GQA group."""
+    from flashtile.kernels import gluon_backward
+
+    if index >= len(PERSISTENT_BWD):
+        pytest.skip("no such config")
+    head_dim, config = PERSISTENT_BWD[index]
+    if ctas is not None:
+        # Plans are off under override(), so the next backward builds its grid with this SM count.
+        monkeypatch.setattr(gluon_backward, "multiprocessors", lambda device: ctas)
+    q, k, v = make_qkv(6, seqlen_q, seqlen_k, 16, 4, head_dim, torch.bfloat16)
+    with override(bwd_gluon=config):
+        check_against_reference(flash_attn_func, q, k, v, causal=causal)

@@ -49,6 +49,9 @@ exact; the padded columns of dK, dV, dQ come out zero) and clips them on the dK 
 reduce-adds; the ragged-tile register stores and the dQ convert mask them. At d192 the S^T / dP^T
 products skip the all-zero last 64 columns, and the second warpgroup its second (empty) dQ tile.
 d64/d128/d256 compile to the same PTX as before.
+
+Head dim 64 may also run persistent (GluonBwdConfig.persistent): one CTA per SM takes key block
+after key block; see the section "Persistent backward" below.
 """
 
 import torch
@@ -67,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper import DescriptorTemplate, RowDescriptorTemplate, qkv_supported, tma_aligned
+from .hopper import DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported, tma_aligned
 from .plans import CompiledCall
 from ..configs import GluonBwdConfig, padded_head_dim
 
@@ -96,6 +99,7 @@ CANDIDATES = {
         "m128_s2_oc": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24,
                                      overlap_convert=True),
         "m128_s2_hf": GluonBwdConfig(block_m=128, num_stages=2, heads_first=True),
+        "m128_s2_ps": GluonBwdConfig(block_m=128, num_stages=2, persistent=True),
     },
     128: {
         "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
@@ -276,7 +280,10 @@ def _key_block_and_head(HEADS_FIRST: gl.constexpr):
 def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                  lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
                  k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
-                 BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
+                 BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+                 it0=0):
+    """K, V of the key block at start_n, then the Q, dO (lse, delta) tiles of every query block that
+    sees it through the ring, from ring position it0 on; returns the position after the last."""
     NKV: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = NKV * _KPC
     mbarrier.expect(kv_ready, 2 * NKV * kv_desc_k.block_type.nbytes)
@@ -297,7 +304,7 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
     else:
         q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                  + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-    it = 0
+    it = it0
     for g in range(head_group):
         head = kv_head * head_group + g
         if IS_VARLEN:
@@ -332,6 +339,7 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
                 tma.async_copy_global_to_shared(delta_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
                                                 delta_smem.index(slot))
             it += 1
+    return it
 
 
 @gluon.jit
@@ -390,21 +398,33 @@ def _store_rows(ptr, stride_s, stride_h, row0, head, col0, vals, n_rows, layout:
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _issue_dq(ds_smem, k_smem, buf, dq_layout: gl.constexpr, CONSUMER: gl.constexpr, DQ_SPLIT_M: gl.constexpr):
+def _issue_dq(ds_smem, k_smem, buf, dq_layout: gl.constexpr, CONSUMER: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
+              zero=0):
     """This warpgroup's share of dQ = dS K for the query block whose dS^T halves (both
-    warpgroups') are in buffer buf: one half of the head dim, or (DQ_SPLIT_M) of the query rows."""
+    warpgroups') are in buffer buf: one half of the head dim, or (DQ_SPLIT_M) of the query rows.
+    zero: 0, or a run-time 0 for the K tiles' index (see _opaque_zero)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     DQ_N: gl.constexpr = dq_layout.instr_shape[1]
     dq_tok = gl.zeros([_KPC, DQ_N], gl.float32, dq_layout)
     for c in gl.static_range(_NC):
         ds_c = ds_smem.index(buf * _NC + c).permute([1, 0])           # [BLOCK_M, 64 keys]
-        k_c = k_smem.index(c).reshape([_KPC, HEAD_DIM])  # [64 keys, HEAD_DIM]
+        k_c = k_smem.index(c + zero).reshape([_KPC, HEAD_DIM])  # [64 keys, HEAD_DIM]
         if DQ_SPLIT_M:
             ds_c = ds_c.slice(CONSUMER * _KPC, _KPC, dim=0)
         else:
             k_c = k_c.slice(CONSUMER * DQ_N, DQ_N, dim=1)
         dq_tok = warpgroup_mma(ds_c, k_c, dq_tok, use_acc=c > 0, is_async=True)
     return dq_tok
+
+
+@gluon.jit
+def _opaque_zero(it):
+    """0 as a run-time value ptxas cannot fold (a ring position is < 2**30). The persistent kernel
+    indexes its K, V tiles with it, so every query-block loop computes their wgmma descriptors
+    itself: ptxas 12.8 once computed one only in an earlier loop's preheader, which an empty loop
+    skips (bench/results/2026-11-22-h200-persistent-bwd/). It also spills less: 0 / 16 spill
+    stores (full / causal) instead of 16 / 92."""
+    return it >> 30
 
 
 @gluon.jit
@@ -440,11 +460,14 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                   dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
-                  s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr):
+                  s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, first_it=0,
+                  OPAQUE_KV: gl.constexpr = False):
     """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, and reduce-add the dQ
     of the block before each (its dS^T halves are in shared memory by then: the warpgroups need
     not meet every block, so one's elementwise phase can overlap the other's wgmmas). prev_row,
-    prev_head: where that previous block's dQ goes (the caller drains the last one)."""
+    prev_head: where that previous block's dQ goes (the caller drains the last one). first_it: the
+    ring position of the key block's first query block (a persistent CTA's key blocks continue the
+    ring and the dS^T buffers' phases). OPAQUE_KV: index the K, V tiles with _opaque_zero."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     dtype: gl.constexpr = k_smem.dtype
     diag = seqlen_k - seqlen_q
@@ -461,6 +484,14 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         mbarrier.wait(q_ready.index(slot), (it // NUM_STAGES) & 1)
         q_buf = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_buf = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        if OPAQUE_KV:
+            zero = _opaque_zero(it)
+            k_cur = k_smem.index(CONSUMER + zero).reshape([_KPC, HEAD_DIM])
+            v_cur = v_smem.index(CONSUMER + zero).reshape([_KPC, HEAD_DIM])
+        else:
+            zero = 0
+            k_cur = k_mine
+            v_cur = v_mine
         # S^T starts at -lse in score units (lse_log2 / scale_log2), so x = S^T * scale_log2 comes
         # straight out of the wgmma; dP^T starts at -delta, so delta is not live while dS^T is
         # formed. Both are read before either wgmma claims shared memory, and the two wgmmas
@@ -476,15 +507,15 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
             # wgmma issues, off the path from S^T to P^T.
             s_init = _mask_keys(s_init, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout)
         dp_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
-        s_tok = warpgroup_mma(k_mine, q_buf.permute([1, 0]), s_init, is_async=True)
-        dp_tok = warpgroup_mma(v_mine, do_buf.permute([1, 0]), dp_init, is_async=True)
+        s_tok = warpgroup_mma(k_cur, q_buf.permute([1, 0]), s_init, is_async=True)
+        dp_tok = warpgroup_mma(v_cur, do_buf.permute([1, 0]), dp_init, is_async=True)
 
         # P^T while dP^T is still in flight.
-        s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_mine, q_buf])
+        s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_cur, q_buf])
         p = gl.exp2(s * qk_scale_log2)
         # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in
         # float32 dies before the dV/dK operands are materialised).
-        dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_mine, do_buf])
+        dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_cur, do_buf])
         ds = p * dp_minus_delta
         ds = ds.to(dtype)
         p_op = gl.convert_layout(p.to(dtype), a_layout)
@@ -498,12 +529,12 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(buf))
 
-        if it > 0:
+        if it > first_it:
             # dQ of the previous block, whose halves are both in by now (the other warpgroup
             # published its own a whole block ago, unless it runs a block behind).
             prev = it - 1
             mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
-            dq_tok = _issue_dq(ds_smem, k_smem, prev % 2, dq_layout, CONSUMER, DQ_SPLIT_M)
+            dq_tok = _issue_dq(ds_smem, k_smem, prev % 2, dq_layout, CONSUMER, DQ_SPLIT_M, zero)
             # dV, dK retired: the Q/dO slot is free.
             dv, dk = _wait_dkdv(1, dv_tok, dk_tok, p_op, ds_op, q_buf, do_buf)
             mbarrier.arrive(q_empty.index(slot))
@@ -528,7 +559,11 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
                   k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
                   dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+                  CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
+                  it0=0, kv_empty=None):
+    """This warpgroup's share of the key block at start_n: its dK, dV over every query block that
+    sees the key block, its share of their dQ. A persistent CTA (kv_empty given) starts at ring
+    position it0 with K, V already waited for, and returns the position after its last block."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     DQ_N: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -546,8 +581,10 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
 
     dk = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
-    mbarrier.wait(kv_ready, 0)
-    it = 0
+    PERSISTENT: gl.constexpr = kv_empty is not None
+    if not PERSISTENT:
+        mbarrier.wait(kv_ready, 0)
+    it = it0
     prev_row = 0
     prev_head = 0
     for g in range(head_group):
@@ -556,47 +593,61 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
             it, dk, dv, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT)
 
-    if it > 0:
+    if it > it0:
         # dQ of the last query block.
         prev = it - 1
         mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
-        dq_tok = _issue_dq(ds_smem, k_smem, prev % 2, dq_layout, CONSUMER, DQ_SPLIT_M)
+        if PERSISTENT:
+            zero = _opaque_zero(it)
+        else:
+            zero = 0
+        dq_tok = _issue_dq(ds_smem, k_smem, prev % 2, dq_layout, CONSUMER, DQ_SPLIT_M, zero)
         tma.store_wait(0)
         gl.thread_barrier()
         dq = _wait_dq(dq_tok, ds_smem)
+        if PERSISTENT:
+            # The next key block's query blocks take this dS^T buffer in turn.
+            mbarrier.arrive(ds_free.index(prev % 2))
         _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, prev_row, prev_head, CONSUMER, DQ_SPLIT_M)
 
-    # The other warpgroup's dQ wgmmas read our K tile: wait until both are done, then stage
-    # dK, dV in the K, V tiles and store them with TMA (rows past seqlen_k are clipped).
-    mbarrier.arrive(done)
-    mbarrier.wait(done, 0)
-    if IS_VARLEN:
-        if key0 + _KPC <= seqlen_k:
-            _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, k_start + key0, kv_head, 0,
-                            softmax_scale, CONSUMER)
-        else:
-            # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
-            _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + key0, kv_head, 0,
-                        (dk * softmax_scale).to(k_smem.dtype), seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
-            _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + key0, kv_head, 0, dv.to(v_smem.dtype),
-                        seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
-            # The last dQ reduce-add must have read its staging before the CTA exits.
-            tma.store_wait(0)
+    if PERSISTENT:
+        # This warpgroup's reads of K, V are over: the loader may bring the next key block's. dK, dV
+        # go out through its own dQ staging tile, with no wait for the other warpgroup.
+        mbarrier.arrive(kv_empty)
+        _store_dkdv_staged(dk, dv, dq_smem, dk_desc, dv_desc, tma_batch, key0, kv_head, softmax_scale, CONSUMER)
     else:
-        _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, key0, kv_head, 0, softmax_scale,
-                        CONSUMER)
+        # The other warpgroup's dQ wgmmas read our K tile: wait until both are done, then stage
+        # dK, dV in the K, V tiles and store them with TMA (rows past seqlen_k are clipped).
+        mbarrier.arrive(done)
+        mbarrier.wait(done, 0)
+        if IS_VARLEN:
+            if key0 + _KPC <= seqlen_k:
+                _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, k_start + key0, kv_head, 0,
+                                softmax_scale, CONSUMER)
+            else:
+                # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
+                _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + key0, kv_head, 0,
+                            (dk * softmax_scale).to(k_smem.dtype), seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
+                _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + key0, kv_head, 0, dv.to(v_smem.dtype),
+                            seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
+                # The last dQ reduce-add must have read its staging before the CTA exits.
+                tma.store_wait(0)
+        else:
+            _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, key0, kv_head, 0, softmax_scale,
+                            CONSUMER)
+    return it
 
 
 @gluon.jit
@@ -614,6 +665,27 @@ def _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, row, kv
     tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, col], k_stage)
     tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, col], v_stage)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _store_dkdv_staged(dk, dv, dq_smem, dk_desc, dv_desc, tma_batch, row, kv_head, softmax_scale,
+                       CONSUMER: gl.constexpr):
+    """Persistent CTAs: stage this warpgroup's dK, dV in its dQ staging tile (64 x 64 float32: room
+    for both 16-bit tiles) once the last dQ reduce-add has read it, and store them with TMA. No wait
+    for the stores: the next reduce-add's wait for its staging covers them (and the CTA's last)."""
+    dtype: gl.constexpr = dk_desc.dtype
+    gl.static_assert(dq_smem.shape[4] * 4 == 2 * dk_desc.block_type.shape[3] * 2, "dK + dV fill a dQ staging tile")
+    tiles = dq_smem.index(CONSUMER)._reinterpret(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
+    k_stage = tiles.index(0)
+    v_stage = tiles.index(1)
+    # The wait is the issuing thread's: the barrier holds every thread until it has returned.
+    tma.store_wait(0)
+    gl.thread_barrier()
+    k_stage.reshape([dk.shape[0], dk.shape[1]]).store((dk * softmax_scale).to(dtype))
+    v_stage.reshape([dv.shape[0], dv.shape[1]]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, 0], k_stage)
+    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, 0], v_stage)
 
 
 @gluon.jit
@@ -679,17 +751,12 @@ def _barriers(NUM_STAGES: gl.constexpr, COUNT_DONE: gl.constexpr):
     return kv_ready, done, q_ready, q_empty, ds_ready, ds_free, stored
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
-                              "stride_dk_h", "stride_dv_s", "stride_dv_h"])
-def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                          seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
-                          cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
-                          dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
-                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
-                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+@gluon.jit
+def _shared_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, BLOCK_M: gl.constexpr,
+                    NUM_STAGES: gl.constexpr):
+    """The shared memory of the two-warpgroup kernels: the Q / dO (lse, delta) ring, the K, V tiles
+    of the key block (one per warpgroup), the dS^T buffers and the dQ staging tiles."""
     dtype: gl.constexpr = q_desc.dtype
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + lse_desc.block_type.shape, lse_desc.layout)
@@ -702,6 +769,20 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
     ds_smem = gl.allocate_shared_memory(dtype, [2 * _NC, _KPC, BLOCK_M], ds_layout)
     # dQ share of each warpgroup, staged for the TMA reduce-add.
     dq_smem = gl.allocate_shared_memory(gl.float32, [_NC] + dq_desc.block_type.shape, dq_desc.layout)
+    return q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
+                              "stride_dk_h", "stride_dv_s", "stride_dv_h"])
+def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+                          seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
+                          cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                          dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
+                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
+                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = _shared_buffers(
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, BLOCK_M, NUM_STAGES)
 
     # With done counts (GluonBwdConfig.overlap_convert), the convert may launch once every CTA has started.
     COUNT_DONE: gl.constexpr = done_counts is not None
@@ -725,6 +806,137 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
                    BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+# ----------------------------------------------------------------------------------------------
+# Persistent backward (GluonBwdConfig.persistent; dense batches, the two-warpgroup kernel)
+# ----------------------------------------------------------------------------------------------
+#
+# One CTA per SM (at most one per key block) runs key blocks ("units", numbered in the grid's order:
+# key block fastest, then KV head, then batch) one after another, drawing each from a counter in
+# global memory (an atomic add in the loader warp: CTAs that finish early take more, so the
+# schedule balances a causal grid by itself). Between units no CTA ends and none starts, and the
+# next unit's first Q / dO tiles stream in through the ring while the current one ends. Its K, V
+# wait for both warpgroups' last reads of the current ones: one K, V buffer (with two, indexed at
+# run time, the bundled ptxas 12.8 reused a shared-memory descriptor computed in a block that does
+# not dominate its use; bench/results/2026-11-22-h200-persistent-bwd/). dK, dV go out through the dQ
+# staging tiles, so the warpgroups need not meet at a unit's end. The loader hands each unit's
+# number to the warpgroups in shared memory, behind the K, V barrier; -1 ends the CTA. The ring
+# position and the dS^T buffers' phases carry over from unit to unit. The arguments that follow the
+# sequence lengths are not specialized: one compile serves every length, and with seqlen_q = 1
+# compiled in as a constant, ptxas 12.8 produced a wgmma that read past shared memory (CUDA 13.0's
+# ptxas did not). The head counts are (head_group = 1 drops the GQA loop: fewer spills).
+
+@gluon.jit
+def _draw_unit(counter_ptr):
+    """In the loader warp: lane 0 takes the next unit number (atomic add), broadcast to the warp."""
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .pred first;\n\t.reg .u32 lane, t;\n\tmov.u32 t, 0;\n\tmov.u32 lane, %laneid;"
+        "\n\tsetp.eq.u32 first, lane, 0;\n\t@first atom.global.relaxed.gpu.add.u32 t, [$1], 1;"
+        "\n\tshfl.sync.idx.b32 $0, t, 0, 31, -1;\n\t}",
+        "=r,l", [counter_ptr.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _publish_unit(unit_smem, unit):
+    """In the loader warp: the unit number to shared memory, every lane's store done before the
+    (one-thread, release) arrival on the K, V barrier that follows."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    unit_smem.store(gl.full([32], unit, gl.int32, layout))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _read_unit(unit_smem):
+    """In a consumer warpgroup, after the K, V barrier: the unit number the loader published."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(unit_smem.load(layout), axis=0)
+
+
+@gluon.jit
+def _unit_coords(unit, n_key_blocks, nheads_k):
+    """(first key, KV head, batch) of a unit."""
+    return (unit % n_key_blocks) * _BN, (unit // n_key_blocks) % nheads_k, unit // (n_key_blocks * nheads_k)
+
+
+@gluon.jit
+def _loader_persistent(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                       lse_smem, delta_smem, unit_smem, kv_ready, kv_empty, q_ready, q_empty, seqlen_q, seqlen_k,
+                       nheads, head_group, lse_row_stride, counter_ptr, n_key_blocks, nheads_k, n_units,
+                       BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    it = 0
+    u = 0
+    unit = _draw_unit(counter_ptr)
+    while unit < n_units:
+        # The warpgroups are done with the previous unit's K, V (and have read its number).
+        mbarrier.wait(kv_empty, (u & 1) ^ 1)
+        _publish_unit(unit_smem, unit)
+        start_n, kv_head, batch = _unit_coords(unit, n_key_blocks, nheads_k)
+        it = _load_blocks(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                          lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, batch, 0, 0,
+                          seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, None, None,
+                          BLOCK_M, NUM_STAGES, CAUSAL, False, it)
+        u += 1
+        unit = _draw_unit(counter_ptr)
+    # No unit left: -1, with a plain arrival (no bytes) on the K, V barrier.
+    mbarrier.wait(kv_empty, (u & 1) ^ 1)
+    _publish_unit(unit_smem, -1)
+    mbarrier.arrive(kv_ready)
+
+
+@gluon.jit
+def _consumer_persistent(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, unit_smem,
+                         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc,
+                         seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale, n_key_blocks, nheads_k,
+                         CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+    it = 0
+    u = 0
+    mbarrier.wait(kv_ready, 0)
+    unit = _read_unit(unit_smem)
+    while unit >= 0:
+        start_n, kv_head, batch = _unit_coords(unit, n_key_blocks, nheads_k)
+        it = _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
+                           q_ready, q_empty, ds_ready, ds_free, None, dk_desc, dv_desc, dq_desc, start_n, kv_head,
+                           batch, 0, 0, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
+                           None, None, None, None, None, None, CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M,
+                           False, HEAD_DIM_TRUE, it, kv_empty)
+        u += 1
+        mbarrier.wait(kv_ready, u & 1)
+        unit = _read_unit(unit_smem)
+    # The last dK, dV stores have read their staging before the CTA ends.
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "lse_row_stride", "n_key_blocks", "n_units"])
+def gluon_attn_bwd_persistent_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc,
+                                     delta_desc, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
+                                     qk_scale_log2, softmax_scale, counter_ptr, n_key_blocks, nheads_k, n_units,
+                                     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                     LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
+                                     HEAD_DIM_TRUE: gl.constexpr):
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = _shared_buffers(
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, BLOCK_M, NUM_STAGES)
+    unit_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_ready, _, q_ready, q_empty, ds_ready, ds_free, _ = _barriers(NUM_STAGES, False)
+    # Both warpgroups done with a unit's K, V.
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_empty, count=_NC)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer_persistent, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, unit_smem,
+                                kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc,
+                                seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale, n_key_blocks,
+                                nheads_k, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, HEAD_DIM_TRUE)),
+        (_consumer_persistent, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, unit_smem,
+                                kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc,
+                                seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale, n_key_blocks,
+                                nheads_k, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, HEAD_DIM_TRUE)),
+        (_loader_persistent, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                              lse_smem, delta_smem, unit_smem, kv_ready, kv_empty, q_ready, q_empty, seqlen_q,
+                              seqlen_k, nheads, head_group, lse_row_stride, counter_ptr, n_key_blocks, nheads_k,
+                              n_units, BLOCK_M, NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1234,20 +1446,40 @@ class BackwardPlan:
         key_blocks = triton.cdiv(max_seqlen_k, block_n)
         heads_first = cfg.heads_first and not varlen
         grid = (nheads_k, key_blocks, n_seqs) if heads_first else (key_blocks, nheads_k, n_seqs)
-        self.main = None if key_blocks == 0 else CompiledCall(
-            kernel_fn, grid,
-            (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
-             padded_row_stride(seqlen_q), softmax_scale * LOG2E, softmax_scale, None, None, None, None, None),
-            dict(done_counts=None, dk_ptr=None, stride_dk_s=row_strides[0], stride_dk_h=row_strides[1], dv_ptr=None,
-                 stride_dv_s=row_strides[2], stride_dv_h=row_strides[3], BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
-                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal),
-                 IS_VARLEN=varlen, HEADS_FIRST=heads_first, num_warps=4, **extra),
-            slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
-                   "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
-                   "dv_ptr", "done_counts"))
+        # Persistent (dense batches; its dK, dV staging needs the 64 x 64 float32 dQ tiles of head
+        # dim 64 with block_m 128): as many CTAs as SMs, at most one per key block.
+        self.persistent = (cfg.persistent and not varlen and key_blocks > 0 and padded_head_dim(head_dim) == 64
+                           and cfg.dq_split_m)
+        if key_blocks == 0:
+            self.main = None
+        elif self.persistent:
+            n_units = key_blocks * nheads_k * n_seqs
+            self.main = CompiledCall(
+                gluon_attn_bwd_persistent_kernel, (min(n_units, multiprocessors(q.device)),),
+                (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
+                 padded_row_stride(seqlen_q), softmax_scale * LOG2E, softmax_scale, None, key_blocks, nheads_k,
+                 n_units),
+                dict(BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
+                     LOADER_REGS=cfg.loader_regs, CAUSAL=bool(causal), num_warps=4, **extra),
+                slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
+                       "delta_desc", "counter_ptr"))
+        else:
+            self.main = CompiledCall(
+                kernel_fn, grid,
+                (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
+                 padded_row_stride(seqlen_q), softmax_scale * LOG2E, softmax_scale, None, None, None, None, None),
+                dict(done_counts=None, dk_ptr=None, stride_dk_s=row_strides[0], stride_dk_h=row_strides[1],
+                     dv_ptr=None, stride_dv_s=row_strides[2], stride_dv_h=row_strides[3], BLOCK_M=cfg.block_m,
+                     NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+                     CAUSAL=bool(causal), IS_VARLEN=varlen, HEADS_FIRST=heads_first, num_warps=4, **extra),
+                slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
+                       "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
+                       "dv_ptr", "done_counts"))
         # Dense batches may overlap the convert with the kernel's last CTAs (see "The dQ convert
         # overlapped with the kernel's last CTAs"): each CTA counts itself in once.
-        self.overlap_convert = cfg.overlap_convert and not varlen and self.main is not None
+        self.overlap_convert = cfg.overlap_convert and not varlen and self.main is not None and not self.persistent
+        # The int32 (b, nheads_k) counts the caller zeroes: done counts, or (persistent) the unit counter.
+        self.needs_counts = self.overlap_convert or self.persistent
         convert_block = 32
         self.convert = CompiledCall(
             gluon_bwd_dq_convert_kernel, (triton.cdiv(seqlen_q, convert_block), nheads, batch),
@@ -1265,13 +1497,17 @@ class BackwardPlan:
     def launch(self, descriptors, dq, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q=None, cu_seqlens_k=None,
                seqused_q=None, done_counts=None):
         """Runs the backward into dq_acc (zeroed by the caller), dk, dv, then dq <- dq_acc * scale, with
-        descriptors from :meth:`descriptors`. done_counts: with overlap_convert, the int32 (b, nheads_k)
-        counts from done_counts_buffer, zeroed by the caller. Returns the compiled Gluon kernel (the
-        probes read its registers), None for an empty grid."""
-        assert (done_counts is not None) == self.overlap_convert
+        descriptors from :meth:`descriptors`. done_counts: if needs_counts, the int32 (b, nheads_k)
+        counts from done_counts_buffer, zeroed by the caller (a persistent plan draws its units from
+        the first). Returns the compiled Gluon kernel (the probes read its registers), None for an
+        empty grid."""
+        assert (done_counts is not None) == self.needs_counts
         kernel = None
         if self.main is not None:
-            if self.varlen:
+            if self.persistent:
+                kernel = self.main(*descriptors, done_counts)
+                done_counts = None  # not done counts: the convert runs after the kernel
+            elif self.varlen:
                 kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv, None)
             else:
                 kernel = self.main(*descriptors, None, None, None, None, None, None, None, done_counts)
@@ -1284,8 +1520,8 @@ class BackwardPlan:
 
 
 def done_counts_buffer(q, k, device=None) -> torch.Tensor:
-    """The (uninitialized) int32 (b, nheads_k) done counts a BackwardPlan with overlap_convert takes,
-    on q's device (or ``device``, as dq_accumulator)."""
+    """The (uninitialized) int32 (b, nheads_k) counts a BackwardPlan with needs_counts takes, on q's
+    device (or ``device``, as dq_accumulator)."""
     return torch.empty((q.shape[0], k.shape[2]), device=device or q.device, dtype=torch.int32)
 
 
@@ -1338,7 +1574,7 @@ def make_launcher(q, k, v, dout, lse_log2, delta, dq, dk, dv, softmax_scale, cau
     varlen_args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q)
     plan = BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, softmax_scale, causal, config,
                         max_seqlen_k=max_seqlen_k, **varlen_args)
-    done_counts = done_counts_buffer(q, k) if plan.overlap_convert else None
+    done_counts = done_counts_buffer(q, k) if plan.needs_counts else None
 
     def launch():
         if zero_dq_acc:

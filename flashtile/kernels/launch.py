@@ -504,7 +504,7 @@ class GluonBackward:
     def _done_counts(self, q, k, device=None) -> Optional[torch.Tensor]:
         from .gluon_backward import done_counts_buffer
 
-        return done_counts_buffer(q, k, device) if self.kernels.overlap_convert else None
+        return done_counts_buffer(q, k, device) if self.kernels.needs_counts else None
 
     def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         from .gluon_backward import dq_accumulator
