@@ -651,19 +651,22 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
 
 
 @gluon.jit
+def _copy_out_dkdv(dk, dv, k_stage, v_stage, dk_desc, dv_desc, tma_batch, row, kv_head, col, softmax_scale):
+    """dK (scaled), dV into the staging tiles k_stage, v_stage, then TMA stores from them (no wait)."""
+    k_stage.reshape([dk.shape[0], dk.shape[1]]).store((dk * softmax_scale).to(k_stage.dtype))
+    v_stage.reshape([dv.shape[0], dv.shape[1]]).store(dv.to(v_stage.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, col], k_stage)
+    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, col], v_stage)
+
+
+@gluon.jit
 def _store_dkdv_tma(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, row, kv_head, col,
                     softmax_scale, CONSUMER: gl.constexpr):
     """Stage this warpgroup's dK, dV tiles in its K, V tiles (free once both warpgroups are done)
     and store them with TMA; the wait also covers the last dQ reduce-add."""
-    R: gl.constexpr = dk.shape[0]
-    C: gl.constexpr = dk.shape[1]
-    k_stage = k_smem.index(CONSUMER)
-    v_stage = v_smem.index(CONSUMER)
-    k_stage.reshape([R, C]).store((dk * softmax_scale).to(k_smem.dtype))
-    v_stage.reshape([R, C]).store(dv.to(v_smem.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, col], k_stage)
-    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, col], v_stage)
+    _copy_out_dkdv(dk, dv, k_smem.index(CONSUMER), v_smem.index(CONSUMER), dk_desc, dv_desc, tma_batch, row,
+                   kv_head, col, softmax_scale)
     tma.store_wait(0)
 
 
@@ -673,19 +676,13 @@ def _store_dkdv_staged(dk, dv, dq_smem, dk_desc, dv_desc, tma_batch, row, kv_hea
     """Persistent CTAs: stage this warpgroup's dK, dV in its dQ staging tile (64 x 64 float32: room
     for both 16-bit tiles) once the last dQ reduce-add has read it, and store them with TMA. No wait
     for the stores: the next reduce-add's wait for its staging covers them (and the CTA's last)."""
-    dtype: gl.constexpr = dk_desc.dtype
     gl.static_assert(dq_smem.shape[4] * 4 == 2 * dk_desc.block_type.shape[3] * 2, "dK + dV fill a dQ staging tile")
-    tiles = dq_smem.index(CONSUMER)._reinterpret(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
-    k_stage = tiles.index(0)
-    v_stage = tiles.index(1)
+    tiles = dq_smem.index(CONSUMER)._reinterpret(dk_desc.dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
     # The wait is the issuing thread's: the barrier holds every thread until it has returned.
     tma.store_wait(0)
     gl.thread_barrier()
-    k_stage.reshape([dk.shape[0], dk.shape[1]]).store((dk * softmax_scale).to(dtype))
-    v_stage.reshape([dv.shape[0], dv.shape[1]]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, 0], k_stage)
-    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, 0], v_stage)
+    _copy_out_dkdv(dk, dv, tiles.index(0), tiles.index(1), dk_desc, dv_desc, tma_batch, row, kv_head, 0,
+                   softmax_scale)
 
 
 @gluon.jit
