@@ -24,8 +24,7 @@ from flashtile.configs import BWD_GLUON, table_config  # noqa: E402
 from flashtile.kernels import gluon_backward as gb  # noqa: E402
 from flashtile.kernels.launch import row_stats_buffers  # noqa: E402
 
-_KERNELS = ("gluon_attn_bwd_kernel", "gluon_attn_bwd_d256_kernel", "gluon_attn_bwd_persistent_kernel",
-            "gluon_attn_bwd_d256_persistent_kernel")
+_KERNELS = ("gluon_attn_bwd_kernel", "gluon_attn_bwd_d256_kernel", "gluon_attn_bwd_persistent_kernel")
 
 
 def captured_call(build):

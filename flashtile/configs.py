@@ -121,10 +121,9 @@ class GluonBwdConfig:
     # reads; a computed remap cost the consumers registers, kernels/tile_order.py.) Concurrent CTAs
     # then span a batch's heads, which shares less in L2: it loses on long or full-mask grids.
     heads_first: bool = False
-    # Dense batches, head dims 64 (block_m 128) and 256 (block_m 64): one CTA per SM runs key
-    # blocks one after another, drawing them from a counter, so no CTA launch separates them and the
-    # next key block's first Q / dO tiles load while the current one ends (gluon_backward.py,
-    # "Persistent backward"). Other head dims and block sizes ignore it.
+    # Dense batches, head dims 64 (block_m 128): one CTA per SM runs key blocks one after another,
+    # drawing them from a counter, so no CTA launch separates them and the next key block's first
+    # Q / dO tiles load while the current one ends (gluon_backward.py, "Persistent backward").
     persistent: bool = False
 
     @property
@@ -301,14 +300,10 @@ _TUNED: dict = {
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2, heads_first=True), causal=True, max_seqlen_k=8192),
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
             # 64 keys per CTA, each warpgroup half of the head dim: block_m 64 with 2 stages is what
-            # fits shared memory. Persistent (dense batches; varlen runs the per-key-block kernel, with
-            # the dQ convert overlapped with its last CTAs): against the per-key-block kernel with the
-            # overlapped convert, in one process, full +7.7 / +7.2 / +5.2 / +6.4 / +6.9% and causal
-            # +8.7 / +7.0 / +6.5 / +6.5 / +5.7% at 1k / 2k / 4k / 8k / 16k; its consumers spill 12 / 4
-            # bytes (full / causal) instead of 412 / 344 (bench/results/2026-11-22-h200-persistent-d256-bwd/).
-            Rule(256, GluonBwdConfig(block_m=64, num_stages=2, persistent=True), varlen=False),
+            # fits shared memory (1.02-1.12x cuDNN in bench/results/2026-11-21-h200-bwd-stagger/sweep).
             # The dQ convert overlapped with the kernel's last CTAs: +0.6 / +2.4% at 1k full / causal,
-            # +0.8 / +1.7% at 4k (bench/results/2026-11-21-h200-overlap-convert/; dense batches).
+            # +0.8 / +1.7% at 4k (bench/results/2026-11-21-h200-overlap-convert/); at head dim 64 it
+            # lost 2% at 1k, at 128 it was even.
             Rule(256, GluonBwdConfig(block_m=64, num_stages=2, overlap_convert=True)),
         ],
         BWD_DKDV: [

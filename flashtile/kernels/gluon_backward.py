@@ -50,8 +50,8 @@ reduce-adds; the ragged-tile register stores and the dQ convert mask them. At d1
 products skip the all-zero last 64 columns, and the second warpgroup its second (empty) dQ tile.
 d64/d128/d256 compile to the same PTX as before.
 
-Head dims 64 and 256 may also run persistent (GluonBwdConfig.persistent): one CTA per SM takes key
-block after key block; see the sections "Persistent backward" and "Head dim 256, persistent" below.
+Head dim 64 may also run persistent (GluonBwdConfig.persistent): one CTA per SM takes key block
+after key block; see the section "Persistent backward" below.
 """
 
 import torch
@@ -116,7 +116,6 @@ CANDIDATES = {
         "m64_s2_oc": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24,
                                     overlap_convert=True),
         "m64_s2_oc_hf": GluonBwdConfig(block_m=64, num_stages=2, overlap_convert=True, heads_first=True),
-        "m64_s2_ps": GluonBwdConfig(block_m=64, num_stages=2, persistent=True),
     },
 }
 
@@ -421,10 +420,12 @@ def _issue_dq(ds_smem, k_smem, buf, dq_layout: gl.constexpr, CONSUMER: gl.conste
 @gluon.jit
 def _opaque_zero(it):
     """0 as a run-time value ptxas cannot fold (a ring position is < 2**30). The persistent kernel
-    indexes its K, V tiles with it, so every query-block loop computes their wgmma descriptors
-    itself: ptxas 12.8 once computed one only in an earlier loop's preheader, which an empty loop
-    skips (bench/results/2026-11-22-h200-persistent-bwd/). It also spills less: 0 / 16 spill
-    stores (full / causal) instead of 16 / 92."""
+    and the head-dim-256 one index their K, V tiles with it, so every query-block loop computes
+    their wgmma descriptors itself: ptxas 12.8 once computed one only in an earlier loop's
+    preheader, which an empty loop skips (bench/results/2026-11-22-h200-persistent-bwd/), and
+    descriptors held across a loop cost registers. The persistent d64 kernel spills 0 / 16 bytes
+    (full / causal) instead of 16 / 92, the d256 one none instead of 412 / 344. (At d128 it cut
+    the spills from 116 / 268 bytes to 16 / 16 but ran 0-3% slower: not used there.)"""
     return it >> 30
 
 
@@ -852,9 +853,9 @@ def _read_unit(unit_smem):
 
 
 @gluon.jit
-def _unit_coords(unit, n_key_blocks, nheads_k, BN: gl.constexpr):
-    """(first key, KV head, batch) of a unit (key blocks of BN keys)."""
-    return (unit % n_key_blocks) * BN, (unit // n_key_blocks) % nheads_k, unit // (n_key_blocks * nheads_k)
+def _unit_coords(unit, n_key_blocks, nheads_k):
+    """(first key, KV head, batch) of a unit."""
+    return (unit % n_key_blocks) * _BN, (unit // n_key_blocks) % nheads_k, unit // (n_key_blocks * nheads_k)
 
 
 @gluon.jit
@@ -862,8 +863,6 @@ def _loader_persistent(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_
                        lse_smem, delta_smem, unit_smem, kv_ready, kv_empty, q_ready, q_empty, seqlen_q, seqlen_k,
                        nheads, head_group, lse_row_stride, counter_ptr, n_key_blocks, nheads_k, n_units,
                        BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    # A key block is k_smem.shape[0] tiles of 64 keys (2 at d64, 1 at d256).
-    BN: gl.constexpr = k_smem.shape[0] * _KPC
     it = 0
     u = 0
     unit = _draw_unit(counter_ptr)
@@ -871,7 +870,7 @@ def _loader_persistent(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_
         # The warpgroups are done with the previous unit's K, V (and have read its number).
         mbarrier.wait(kv_empty, (u & 1) ^ 1)
         _publish_unit(unit_smem, unit)
-        start_n, kv_head, batch = _unit_coords(unit, n_key_blocks, nheads_k, BN)
+        start_n, kv_head, batch = _unit_coords(unit, n_key_blocks, nheads_k)
         it = _load_blocks(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                           lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, batch, 0, 0,
                           seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, None, None,
@@ -895,7 +894,7 @@ def _consumer_persistent(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, 
     mbarrier.wait(kv_ready, 0)
     unit = _read_unit(unit_smem)
     while unit >= 0:
-        start_n, kv_head, batch = _unit_coords(unit, n_key_blocks, nheads_k, _BN)
+        start_n, kv_head, batch = _unit_coords(unit, n_key_blocks, nheads_k)
         it = _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready,
                            q_ready, q_empty, ds_ready, ds_free, None, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                            batch, 0, 0, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
@@ -979,11 +978,9 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
                        seqlen_q, seqlen_k, qk_scale_log2,
                        CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                        MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                       s_layout: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
-                       OPAQUE_KV: gl.constexpr = False):
+                       s_layout: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
     """Query blocks [m_start, m_stop) of one query head (head dim 256, or a head dim in (128, 256)
-    padded to it: HEAD_DIM_TRUE). OPAQUE_KV: index the K, V chunks with _opaque_zero (persistent
-    CTAs)."""
+    padded to it: HEAD_DIM_TRUE)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     NCHUNK: gl.constexpr = HEAD_DIM // 64
@@ -1015,10 +1012,11 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         buf = it % 2
         start_m = m * BLOCK_M
         mbarrier.wait(q_ready.index(slot), (it // NUM_STAGES) & 1)
-        if OPAQUE_KV:
-            zero = _opaque_zero(it)
-        else:
-            zero = 0
+        # The K, V chunks are indexed with a run-time zero (_opaque_zero): with constant indices
+        # ptxas holds their loop-invariant wgmma descriptors in registers across the loop, and the
+        # consumers spilled 412 / 344 bytes (full / causal); recomputed in the loop, none. +5..+9%
+        # at 1k-16k (bench/results/2026-11-22-h200-d256-bwd-opaque-kv/).
+        zero = _opaque_zero(it)
         # Q, dO slot as (chunk, row half) tiles of (HALF_M, 64), and as head-dim halves (BLOCK_M, 128).
         q_tiles = q_smem.index(slot)._reinterpret(dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
         do_tiles = do_smem.index(slot)._reinterpret(dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
@@ -1124,10 +1122,7 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
                        dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                        CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr,
-                       HEAD_DIM_TRUE: gl.constexpr, it0=0, kv_empty=None):
-    """This warpgroup's head-dim half of dK, dV of the 64 keys at start_n over every query block
-    that sees them, and its columns of their dQ. A persistent CTA (kv_empty given) starts at ring
-    position it0 with K, V already waited for, and returns the position after its last block."""
+                       HEAD_DIM_TRUE: gl.constexpr):
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1140,70 +1135,46 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
 
     dk = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
     dv = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
-    PERSISTENT: gl.constexpr = kv_empty is not None
-    if not PERSISTENT:
-        mbarrier.wait(kv_ready, 0)
-    it = it0
+    mbarrier.wait(kv_ready, 0)
+    it = 0
     for g in range(head_group):
         head = kv_head * head_group + g
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_lo, m_full, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
             k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
             qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
-            HEAD_DIM_TRUE, PERSISTENT)
+            HEAD_DIM_TRUE)
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_full, m_tail, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
             k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
             qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
-            HEAD_DIM_TRUE, PERSISTENT)
+            HEAD_DIM_TRUE)
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_tail, m_end, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
             k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
             qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
-            HEAD_DIM_TRUE, PERSISTENT)
+            HEAD_DIM_TRUE)
 
-    if PERSISTENT:
-        # This warpgroup's reads of K, V are over: the loader may bring the next key block's.
-        # dK, dV are staged in this warpgroup's halves of the last query block's Q, dO slot, as
-        # its dQ was (a dense key block always has a query block: seqlen_q > 0), once that dQ's
-        # reduce-adds have read them. The slot goes back to the loader in the next key block's
-        # first query block, once these stores have read it (the ring's one-block-late release).
-        mbarrier.arrive(kv_empty)
-        slot = (it - 1) % NUM_STAGES
-        tma.store_wait(0)
-        gl.thread_barrier()
-        _copy_out_dkdv(dk, dv, _d256_half(q_smem.index(slot), dk_desc, CONSUMER),
-                       _d256_half(do_smem.index(slot), dv_desc, CONSUMER), dk_desc, dv_desc, tma_batch, start_n,
-                       kv_head, CONSUMER * _D256_HALF, softmax_scale)
-    else:
-        # Both warpgroups' scores read all of K and V: wait for both, then stage this warpgroup's
-        # dK, dV columns in its halves of the K, V tiles. The last dQ reduce-adds must be done with
-        # their staging (and every bulk op before the CTA exits).
-        mbarrier.arrive(done)
-        mbarrier.wait(done, 0)
-        tma.store_wait(0)
-        if IS_VARLEN:
-            if start_n + _KPC <= seqlen_k:
-                _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, k_start + start_n, kv_head,
-                                     softmax_scale, CONSUMER)
-            else:
-                # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
-                MY_COLS: gl.constexpr = HEAD_DIM_TRUE - CONSUMER * _D256_HALF  # in the tensor
-                _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
-                            (dk * softmax_scale).to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
-                _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
-                            dv.to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
+    # Both warpgroups' scores read all of K and V: wait for both, then stage this warpgroup's
+    # dK, dV columns in its halves of the K, V tiles. The last dQ reduce-adds must be done with
+    # their staging (and every bulk op before the CTA exits).
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    tma.store_wait(0)
+    if IS_VARLEN:
+        if start_n + _KPC <= seqlen_k:
+            _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, k_start + start_n, kv_head,
+                                 softmax_scale, CONSUMER)
         else:
-            _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, start_n, kv_head, softmax_scale,
-                                 CONSUMER)
-    return it
-
-
-@gluon.jit
-def _d256_half(tile, desc, CONSUMER: gl.constexpr):
-    """Warpgroup CONSUMER's head-dim half of a (64 rows, 256) tile, as a (1, 64, 1, 128) store box
-    (chunks 2c, 2c + 1 of the 128-byte swizzled tile)."""
-    return tile._reinterpret(tile.dtype, [2, 1, _KPC, 1, _D256_HALF], desc.layout).index(CONSUMER)
+            # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
+            MY_COLS: gl.constexpr = HEAD_DIM_TRUE - CONSUMER * _D256_HALF  # in the tensor
+            _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
+                        (dk * softmax_scale).to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
+            _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
+                        dv.to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
+    else:
+        _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, start_n, kv_head, softmax_scale,
+                             CONSUMER)
 
 
 @gluon.jit
@@ -1211,8 +1182,14 @@ def _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, ro
                          CONSUMER: gl.constexpr):
     """Stage this warpgroup's head-dim half of dK, dV in its halves of the K, V tiles and store
     them with TMA."""
-    _copy_out_dkdv(dk, dv, _d256_half(k_smem, dk_desc, CONSUMER), _d256_half(v_smem, dv_desc, CONSUMER), dk_desc,
-                   dv_desc, tma_batch, row, kv_head, CONSUMER * _D256_HALF, softmax_scale)
+    dtype: gl.constexpr = k_smem.dtype
+    k_stage = k_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dk_desc.layout).index(CONSUMER)
+    v_stage = v_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dv_desc.layout).index(CONSUMER)
+    k_stage.reshape([_KPC, _D256_HALF]).store((dk * softmax_scale).to(dtype))
+    v_stage.reshape([_KPC, _D256_HALF]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], k_stage)
+    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], v_stage)
     tma.store_wait(0)
 
 
@@ -1243,11 +1220,16 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
         _warpgroup_writes_landed(stored)
 
 
-@gluon.jit
-def _shared_buffers_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, BLOCK_M: gl.constexpr,
-                         NUM_STAGES: gl.constexpr):
-    """The shared memory of the head-dim-256 kernels: the Q / dO (lse, delta) ring, the K, V tiles
-    of the 64 keys, and the P^T, dS^T buffers."""
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
+                              "stride_dk_h", "stride_dv_s", "stride_dv_h"])
+def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+                               seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
+                               cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
+                               dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
+                               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
+                               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
+                               HEADS_FIRST: gl.constexpr):
     gl.static_assert(NUM_STAGES >= 2, "a slot is released one query block late (dQ staging)")
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -1262,21 +1244,6 @@ def _shared_buffers_d256(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, 
     pt_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=HALF_M * 2, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
-    return q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem
-
-
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
-                              "stride_dk_h", "stride_dv_s", "stride_dv_h"])
-def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                               seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
-                               cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
-                               dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
-                               BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
-                               HEADS_FIRST: gl.constexpr):
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem = _shared_buffers_d256(
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, BLOCK_M, NUM_STAGES)
 
     # With done counts (GluonBwdConfig.overlap_convert), the convert may launch once every CTA has started.
     COUNT_DONE: gl.constexpr = done_counts is not None
@@ -1300,77 +1267,6 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
                    BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-
-
-# ----------------------------------------------------------------------------------------------
-# Head dim 256, persistent (GluonBwdConfig.persistent; dense batches)
-# ----------------------------------------------------------------------------------------------
-#
-# The loader and the unit hand-over of "Persistent backward", the consumers of
-# gluon_attn_bwd_d256_kernel; units are the 64-key blocks. The K, V tiles are that kernel's only
-# room for the dK, dV staging, so a unit's dK, dV go out through its last query block's Q, dO slot
-# instead (see _consume_keys_d256), and the next unit's K, V load as soon as both warpgroups' last
-# dQ products have read K. The K, V chunks are indexed with _opaque_zero, as at head dim 64; the
-# consumers spill 12 / 4 bytes (full / causal) where gluon_attn_bwd_d256_kernel's spill 412 / 344.
-
-@gluon.jit
-def _consumer_persistent_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, unit_smem,
-                              kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, dk_desc, dv_desc, dq_desc,
-                              seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale, n_key_blocks, nheads_k,
-                              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
-    it = 0
-    u = 0
-    mbarrier.wait(kv_ready, 0)
-    unit = _read_unit(unit_smem)
-    while unit >= 0:
-        start_n, kv_head, batch = _unit_coords(unit, n_key_blocks, nheads_k, _KPC)
-        it = _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
-                                q_ready, q_empty, ds_ready, ds_free, None, dk_desc, dv_desc, dq_desc, start_n,
-                                kv_head, batch, 0, 0, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
-                                None, None, None, None, None, None, CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL,
-                                DQ_OVERLAP, False, HEAD_DIM_TRUE, it, kv_empty)
-        u += 1
-        mbarrier.wait(kv_ready, u & 1)
-        unit = _read_unit(unit_smem)
-    # The last dK, dV stores have read their staging before the CTA ends.
-    tma.store_wait(0)
-
-
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "lse_row_stride", "n_key_blocks", "n_units"])
-def gluon_attn_bwd_d256_persistent_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc,
-                                          delta_desc, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
-                                          qk_scale_log2, softmax_scale, counter_ptr, n_key_blocks, nheads_k,
-                                          n_units, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                          CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                                          HEAD_DIM_TRUE: gl.constexpr):
-    gl.static_assert(BLOCK_M == _KPC, "a Q / dO slot stages the 64 keys' dK / dV")
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem = _shared_buffers_d256(
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, BLOCK_M, NUM_STAGES)
-    unit_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    kv_ready, _, q_ready, q_empty, ds_ready, ds_free, _ = _barriers(NUM_STAGES, False)
-    # Both warpgroups done with a unit's K, V.
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_empty, count=_NC)
-    fence_async_shared()
-
-    gl.warp_specialize([
-        (_consumer_persistent_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem,
-                                     unit_smem, kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, dk_desc,
-                                     dv_desc, dq_desc, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
-                                     n_key_blocks, nheads_k, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP,
-                                     HEAD_DIM_TRUE)),
-        (_consumer_persistent_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem,
-                                     unit_smem, kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, dk_desc,
-                                     dv_desc, dq_desc, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
-                                     n_key_blocks, nheads_k, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP,
-                                     HEAD_DIM_TRUE)),
-        (_loader_persistent, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                              lse_smem, delta_smem, unit_smem, kv_ready, kv_empty, q_ready, q_empty, seqlen_q,
-                              seqlen_k, nheads, head_group, lse_row_stride, counter_ptr, n_key_blocks, nheads_k,
-                              n_units, BLOCK_M, NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1542,7 +1438,6 @@ class BackwardPlan:
         assert grads_supported(dout, dq, dk, dv)
         self.varlen = varlen = cu_seqlens_q is not None
         n_seqs = cu_seqlens_q.numel() - 1 if varlen else batch
-        block_d = padded_head_dim(head_dim)
         self.templates, kernel_fn, block_n, extra = _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2,
                                                                           delta, cfg)
         # Varlen: lse / delta are read with plain loads (a sequence's rows start at any offset); dK / dV of
@@ -1555,18 +1450,16 @@ class BackwardPlan:
         key_blocks = triton.cdiv(max_seqlen_k, block_n)
         heads_first = cfg.heads_first and not varlen
         grid = (nheads_k, key_blocks, n_seqs) if heads_first else (key_blocks, nheads_k, n_seqs)
-        # Persistent (dense batches; the dK, dV staging needs the 64 x 64 float32 dQ tiles of head
-        # dim 64 with block_m 128, or at head dim 256 the 64-row Q / dO slots of block_m 64): as many
-        # CTAs as SMs, at most one per key block.
-        persistent_kernel = {(64, 128): gluon_attn_bwd_persistent_kernel,
-                             (256, 64): gluon_attn_bwd_d256_persistent_kernel}.get((block_d, cfg.block_m))
-        self.persistent = cfg.persistent and not varlen and key_blocks > 0 and persistent_kernel is not None
+        # Persistent (dense batches; its dK, dV staging needs the 64 x 64 float32 dQ tiles of head
+        # dim 64 with block_m 128): as many CTAs as SMs, at most one per key block.
+        self.persistent = (cfg.persistent and not varlen and key_blocks > 0 and padded_head_dim(head_dim) == 64
+                           and cfg.dq_split_m)
         if key_blocks == 0:
             self.main = None
         elif self.persistent:
             n_units = key_blocks * nheads_k * n_seqs
             self.main = CompiledCall(
-                persistent_kernel, (min(n_units, multiprocessors(q.device)),),
+                gluon_attn_bwd_persistent_kernel, (min(n_units, multiprocessors(q.device)),),
                 (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
                  padded_row_stride(seqlen_q), softmax_scale * LOG2E, softmax_scale, None, key_blocks, nheads_k,
                  n_units),
