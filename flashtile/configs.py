@@ -300,7 +300,8 @@ _TUNED: dict = {
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2, heads_first=True), causal=True, max_seqlen_k=8192),
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
             # 64 keys per CTA, each warpgroup half of the head dim: block_m 64 with 2 stages is what
-            # fits shared memory (1.02-1.12x cuDNN in bench/results/2026-11-21-h200-bwd-stagger/sweep).
+            # fits shared memory (1.10-1.23x cuDNN in bench/results/2026-11-22-h200-d256-bwd-opaque-kv/sweep;
+            # a persistent variant timed the same and was dropped, see that README).
             # The dQ convert overlapped with the kernel's last CTAs: +0.6 / +2.4% at 1k full / causal,
             # +0.8 / +1.7% at 4k (bench/results/2026-11-21-h200-overlap-convert/); at head dim 64 it
             # lost 2% at 1k, at 128 it was even.
