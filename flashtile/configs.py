@@ -124,6 +124,7 @@ class GluonBwdConfig:
     # Dense batches, head dims 64 (block_m 128): one CTA per SM runs key blocks one after another,
     # drawing them from a counter, so no CTA launch separates them and the next key block's first
     # Q / dO tiles load while the current one ends (gluon_backward.py, "Persistent backward").
+    # Packed batches and other head dims run the per-key-block kernel (the flag is ignored).
     persistent: bool = False
 
     @property
