@@ -12,7 +12,8 @@ a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py (several experim
 ``table`` (the committed table entry for the point) or a name in VARIANTS (forward) or in
 gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+ps``, ``+hf``, ``+g8``, ``+f1``. Forward
 ``lib``: flash_attn_func through the library's own dispatch and launch plans (whichever kernel the
-tables pick, the portable Triton kernels included). Also timed:
+tables pick, the portable Triton kernels included); ``lib-portable``: the same with FLASHTILE_PORTABLE=1
+(the portable kernels only). Also timed:
 torch SDPA's cuDNN backend (the ratios' anchor; its backward through autograd). Prints a table of
 TFLOP/s, writes gluon_ab_<mode>.json. The baseline copies are scratch files: do not commit them.
 """
@@ -253,15 +254,25 @@ def backward_rows(args, specs):
     return rows, checked
 
 
-def library_forward(q, k, v, causal, ref, row):
-    """flash_attn_func through the library's dispatch, checked against ref; None if it fails."""
+def library_forward(q, k, v, causal, ref, row, portable=False):
+    """flash_attn_func through the library's dispatch, checked against ref; None if it fails.
+    portable: with FLASHTILE_PORTABLE=1 (the portable Triton kernels only; launch plans keep
+    the two apart)."""
     import flashtile
 
     def run():
-        with torch.no_grad():
-            return flashtile.flash_attn_func(q, k, v, causal=causal)
+        saved = os.environ.get("FLASHTILE_PORTABLE")
+        os.environ["FLASHTILE_PORTABLE"] = "1" if portable else "0"
+        try:
+            with torch.no_grad():
+                return flashtile.flash_attn_func(q, k, v, causal=causal)
+        finally:
+            if saved is None:
+                del os.environ["FLASHTILE_PORTABLE"]
+            else:
+                os.environ["FLASHTILE_PORTABLE"] = saved
     err = ((run().float() - ref).norm() / ref.norm()).item()
-    row["err_vs_cudnn"]["lib"] = err
+    row["err_vs_cudnn"]["lib-portable" if portable else "lib"] = err
     return run if err < 2e-2 else None
 
 
@@ -284,8 +295,8 @@ def forward_rows(args, specs):
                 row = {"head_dim": d, "seqlen": s, "causal": causal, "err_vs_cudnn": {}}
                 launchers = {}
                 for spec in specs:
-                    if spec == "lib":
-                        run = library_forward(q, k, v, causal, ref, row)
+                    if spec in ("lib", "lib-portable"):
+                        run = library_forward(q, k, v, causal, ref, row, portable=spec == "lib-portable")
                         if run is not None:
                             launchers[spec] = run
                         continue

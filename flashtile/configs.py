@@ -51,7 +51,7 @@ class RowBlockConfig:
 class GluonFwdConfig:
     """The Hopper (sm90) warp-specialized forward (flashtile/kernels/gluon_forward.py).
 
-    A CTA holds num_consumers warpgroups of 64 query rows each and one TMA loader warp.
+    A CTA holds num_consumers (1 to 4) warpgroups of 64 query rows each and one TMA loader warp.
     block_n: keys per K/V tile; num_stages: depth of the K/V shared-memory ring;
     consumer_regs / loader_regs: registers per thread each role asks for (setmaxnreg);
     pingpong: the consumer warpgroups take turns issuing their matmuls (FA3's
@@ -87,6 +87,11 @@ class GluonFwdConfig:
     # see (the tile's first warpgroups skip the blocks only later rows see, releasing their ring
     # slots unread) and masks only the blocks its own rows cut.
     own_key_range: bool = False
+    # CTAs per SM: above 1 the launch caps registers per thread (ptxas maxnreg) so that this many
+    # share an SM's register file, and persistent grids launch this many per SM. Each CTA must also fit
+    # its share of shared memory. Each streams its own K/V for its own tiles, so one CTA's tile starts
+    # and ends overlap the others' key loops (with one consumer warpgroup per CTA: tiles of 64 rows).
+    ctas_per_sm: int = 1
 
     @property
     def block_m(self) -> int:
@@ -240,6 +245,14 @@ _D64_THREE_CONSUMERS_PERSISTENT = replace(_D64_THREE_CONSUMERS, persistent=True)
 _D64_FOUR_CONSUMERS_PERSISTENT = GluonFwdConfig(64, 4, num_consumers=4, consumer_regs=112, loader_regs=24,
                                                 persistent=True, row_sum_mma=True)
 _D64_FOUR_CONSUMERS_OWN_RANGE = replace(_D64_FOUR_CONSUMERS_PERSISTENT, num_stages=10, own_key_range=True)
+# Causal dense batches below 2k keys: CTAs of one consumer warpgroup (64-row tiles, 64-key blocks), three
+# per SM, persistent over causal pairs of tiles. The tiles are as small as the portable kernel's (the
+# diagonal wastes as little), but each CTA overlaps its softmax with its next S = Q K^T and has a loader
+# warp. Against the portable kernel (four 4-warp CTAs per SM), three A/B runs: +4.5 to +8.8% at 1k,
+# +1.5 to +3.8% at 1.5k; at 2k four consumers with own key ranges stay ahead (390-396 against 366-372
+# TFLOP/s); bench/results/2026-11-22-h200-one-consumer-ctas/.
+_D64_ONE_CONSUMER_X3 = GluonFwdConfig(64, 2, num_consumers=1, consumer_regs=136, loader_regs=24, persistent=True,
+                                      row_sum_mma=True, ctas_per_sm=3)
 
 # Measured per architecture: {arch: {kernel: [Rule, ...]}}.
 # sm90 (H100/H200), measured on an H200 in bf16 at 16k tokens, hidden 2048:
@@ -252,10 +265,8 @@ _D64_FOUR_CONSUMERS_OWN_RANGE = replace(_D64_FOUR_CONSUMERS_PERSISTENT, num_stag
 _TUNED: dict = {
     "sm90": {
         FWD: [
-            # Causal d64 below 2k keys (8k packed; the Gluon forward takes over above): 64-row tiles
-            # waste less on the diagonal (bench/tune_configs.py --seqlen 1024/2048/4096: +9% / +5% / +4%).
-            # At 1k it still leads every Gluon forward config tried, four consumers with their own key
-            # ranges included (310 vs 277-307 TFLOP/s, bench/results/2026-11-22-h200-four-consumers/).
+            # Causal d64 packed batches below 8k keys (dense ones run the Gluon forward on sm90): 64-row
+            # tiles waste less on the diagonal (bench/tune_configs.py --seqlen 1024/2048/4096: +9% / +5% / +4%).
             Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=3, use_tma=True), causal=True),
             Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3, use_tma=True)),
             Rule(128, KernelConfig(128, 128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True)),
@@ -272,7 +283,7 @@ _TUNED: dict = {
             # CTAs (causal 8k/16k: even; bench/results/2026-11-21-h200-operand-packing/d64-configs/).
             Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=False, min_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=4096),
-            # Causal dense batches from 2k keys (below, the portable kernel's 64-row tiles lead).
+            Rule(64, _D64_ONE_CONSUMER_X3, causal=True, max_seqlen_k=2048, varlen=False),
             Rule(64, _D64_FOUR_CONSUMERS_OWN_RANGE, causal=True, min_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=True, min_seqlen_k=8192),
             Rule(64, None),

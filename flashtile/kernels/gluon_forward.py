@@ -4,12 +4,13 @@ One CTA owns a tile of NUM_CONSUMERS * 64 query rows of one (batch, head):
   * a loader partition (1 warp) streams K and V tiles with TMA into a NUM_STAGES ring,
     each slot guarded by a "ready" mbarrier (TMA bytes landed) and an "empty" mbarrier
     (every consumer warpgroup finished reading it);
-  * each consumer partition is one warpgroup owning 64 query rows. It computes
+  * each consumer partition (1 to 4) is one warpgroup owning 64 query rows. It computes
     S = Q K^T with wgmma from shared memory and O += P V with P kept in registers (wgmma
     register A operand, no shared-memory round trip). The wgmmas are async: S_{j+1} = Q K_{j+1}^T
     and O += P_j V_j are in flight while the softmax of block j+1 runs (FA3 intra-warpgroup
-    overlap). The consumer warpgroups (2, 3 or 4) run independently, so one's softmax naturally
-    overlaps another's wgmmas.
+    overlap). The consumer warpgroups run independently, so one's softmax naturally overlaps
+    another's wgmmas; with one consumer per CTA, several CTAs share an SM (GluonFwdConfig.ctas_per_sm)
+    and overlap the same way, each with its own tiles and K/V stream.
 Only the key blocks that can hold masked entries (the causal diagonal, the ragged end at sk)
 pay for the mask; causal blocks wholly above the diagonal are never loaded. With trim_diagonal
 (causal, head dim 64), a warpgroup whose rows see only the first half of the tile's last key block
@@ -86,6 +87,11 @@ CANDIDATES = {
         "c4_n64_s4_persist_rs": GluonFwdConfig(64, 4, 4, 112, 24, False, True, True),
         "c4_n64_s4_rs_own": GluonFwdConfig(64, 4, 4, 112, 24, False, False, True, own_key_range=True),
         "c4_n64_s10_persist_rs_own": GluonFwdConfig(64, 10, 4, 112, 24, False, True, True, own_key_range=True),
+        # One consumer warpgroup per CTA, three CTAs per SM (GluonFwdConfig.ctas_per_sm): the table's
+        # causal choice below 2k keys, its three-stage twin and the per-tile grid.
+        "c1_n64_s2_persist_rs_x3": GluonFwdConfig(64, 2, 1, 136, 24, False, True, True, ctas_per_sm=3),
+        "c1_n64_s3_persist_rs_x3": GluonFwdConfig(64, 3, 1, 136, 24, False, True, True, ctas_per_sm=3),
+        "c1_n64_s4_rs_x3": GluonFwdConfig(64, 4, 1, 136, 24, False, False, True, ctas_per_sm=3),
     },
     128: {
         "c2_n128_s2": GluonFwdConfig(128, 2, 2, 240, 40, False),
@@ -894,7 +900,21 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
 
     # Argument tuples are written inline: a tuple bound to a variable would turn the constexprs (and
     # the None arguments) into runtime values. Each consumer gets its index as a literal (a constexpr).
-    if NUM_CONSUMERS == 2:
+    if NUM_CONSUMERS == 1:
+        # The consumer is the default partition: it gets the registers the loader's warpgroup leaves.
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
+                         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
+                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
+                         OWN_KEY_RANGE)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+        ], [1], [LOADER_REGS])
+    elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
@@ -939,7 +959,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                        IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
-        gl.static_assert(NUM_CONSUMERS == 4, "2, 3 or 4 consumer warpgroups")
+        gl.static_assert(NUM_CONSUMERS == 4, "1 to 4 consumer warpgroups")
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
@@ -1014,6 +1034,21 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     return lambda: plan.launch(descriptors, out, lse, **varlen)
 
 
+def register_cap(cfg: GluonFwdConfig) -> dict:
+    """Launch options for cfg.ctas_per_sm CTAs per SM: ptxas' maxnreg, the registers per thread that
+    let that many CTAs share an SM's 64K. The loader warp's warpgroup is launched whole (setmaxnreg
+    works on warpgroups), so a CTA has num_consumers + 1 warpgroups, and their setmaxnreg split
+    (consumer_regs each, loader_regs for the loader's) must fit the cap."""
+    if cfg.ctas_per_sm == 1:
+        return {}
+    threads = 128 * (cfg.num_consumers + 1)
+    maxnreg = 65536 // (cfg.ctas_per_sm * threads) // 8 * 8  # setmaxnreg counts in steps of 8
+    if 128 * (cfg.num_consumers * cfg.consumer_regs + cfg.loader_regs) > threads * maxnreg:
+        raise ValueError(f"{cfg}: {cfg.ctas_per_sm} CTAs per SM leave {maxnreg} registers per thread, fewer than "
+                         f"the consumer_regs / loader_regs split needs")
+    return {"maxnreg": maxnreg}
+
+
 class ForwardPlan:
     """The Gluon forward for one call signature (kernels/plans.py): grid, kernel arguments and
     descriptor layouts worked out once; each call builds the TMA descriptors for its tensors and
@@ -1062,10 +1097,11 @@ class ForwardPlan:
         if min(grid) == 0:
             return
         if persistent:
-            # One CTA per SM (a CTA's registers fill an SM), each taking work units round robin: query
-            # tiles in the order above, or causal pairs of them (the kernel's _dense_units).
+            # ctas_per_sm CTAs per SM (one, unless the config caps registers to fit more), each taking
+            # work units round robin: query tiles in the order above, or causal pairs of them (the
+            # kernel's _dense_units).
             units = (triton.cdiv(grid[0], 2) if causal else grid[0]) * grid[1] * grid[2]
-            grid = (min(units, multiprocessors(q.device)), 1, 1)
+            grid = (min(units, cfg.ctas_per_sm * multiprocessors(q.device)), 1, 1)
 
         # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
         # the tensors, whose missing columns TMA reads as zeros and never writes.
@@ -1085,7 +1121,7 @@ class ForwardPlan:
                  ROW_SUM_MMA=cfg.row_sum_mma,
                  TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
                  OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
-                 num_warps=4),
+                 num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr"))
 
