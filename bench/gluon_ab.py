@@ -9,8 +9,8 @@ Triton backward's gradients).
 
 Variants: ``base:<config>`` runs the baseline module, ``new:<config>`` the working one, ``X:<config>``
 a scratch copy flashtile/kernels/_X_gluon_{forward,backward}.py (several experiments in one run); <config> is
-``table`` (the committed table entry for the point) or a name in VARIANTS (forward) or in
-gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+ps``, ``+hf``, ``+g8``, ``+f1``. Forward
+``table`` (the committed table entry for the point) or a name in VARIANTS or gluon_forward.CANDIDATES
+(forward) or in gluon_backward.CANDIDATES (backward), with optional suffixes (see resolve): ``+oc``, ``+ps``, ``+hf``, ``+g8``, ``+f1``. Forward
 ``lib``: flash_attn_func through the library's own dispatch and launch plans (whichever kernel the
 tables pick, the portable Triton kernels included); ``lib-portable``: the same with FLASHTILE_PORTABLE=1
 (the portable kernels only). Also timed:
@@ -130,7 +130,10 @@ def resolve(spec, d, causal, seqlen, mode="fwd"):
         else:
             cfg = module.CANDIDATES[d][name]
     else:
-        cfg = table_config(FWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen) if name == "table" else VARIANTS[name]
+        if name == "table":
+            cfg = table_config(FWD_GLUON, "sm90", d, causal=causal, seqlen_k=seqlen)
+        else:  # this script's VARIANTS, else the module's CANDIDATES for the head dim
+            cfg = VARIANTS[name] if name in VARIANTS else module.CANDIDATES[d][name]
     for suffix in suffixes:
         if cfg is None:
             break
