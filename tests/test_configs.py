@@ -136,3 +136,15 @@ def test_gluon_persistent_backward_many_units(causal, seqlen_q, seqlen_k, ctas, 
     q, k, v = make_qkv(6, seqlen_q, seqlen_k, 16, 4, head_dim, torch.bfloat16)
     with override(bwd_gluon=config):
         check_against_reference(flash_attn_func, q, k, v, causal=causal)
+
+
+def test_gluon_forward_register_cap():
+    """ctas_per_sm > 1 caps registers per thread so that many CTAs fit an SM's 64K, and a
+    consumer / loader split that does not fit the cap is refused before anything compiles."""
+    from flashtile.kernels.gluon_forward import register_cap
+
+    assert register_cap(GluonFwdConfig(128, 2)) == {}
+    one_consumer = GluonFwdConfig(64, 2, num_consumers=1, consumer_regs=136, loader_regs=24, ctas_per_sm=3)
+    assert register_cap(one_consumer) == {"maxnreg": 80}  # 3 CTAs x 256 threads x 80 <= 65536
+    with pytest.raises(ValueError, match="3 CTAs per SM leave 80 registers"):
+        register_cap(GluonFwdConfig(64, 2, num_consumers=1, consumer_regs=144, loader_regs=24, ctas_per_sm=3))
