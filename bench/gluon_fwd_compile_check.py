@@ -18,17 +18,13 @@ import subprocess
 import tempfile
 
 import torch
-import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import make_backend
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import create_function_from_signature
 
 from flashtile.configs import FWD_GLUON, table_config
 from flashtile.kernels import gluon_forward as gf
+from flashtile.triton_compat import compile_for_target, ptxas_path
 
 TARGET = GPUTarget("cuda", 90, 32)
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 class Capture:
@@ -58,19 +54,15 @@ def captured_call(build):
 def compile_sm90(args, kwargs, kernel=None) -> dict:
     """Compile kernel (default: the Gluon forward) for sm90 with these call arguments."""
     kernel = kernel or gf.gluon_attn_fwd_kernel
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                              options=options.__dict__)
+    compiled = compile_for_target(kernel, args, kwargs, TARGET)
+    ptxas = ptxas_path(90)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     # The PTX without debug info (.loc lines, scope labels, DWARF sections): ptxas is not always

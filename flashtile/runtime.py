@@ -20,6 +20,9 @@ def check_device_supported(device: torch.device, arg_name: str = "q") -> None:
     if device.type == "cuda":
         return
     if device.type == "cpu" and interpreter_enabled():
+        problem = interpreter_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
         return
     if device.type == "cpu":
         raise ValueError(
@@ -27,6 +30,21 @@ def check_device_supported(device: torch.device, arg_name: str = "q") -> None:
             "interpreter (set TRITON_INTERPRET=1 before importing triton) to run on the CPU"
         )
     raise ValueError(f"{arg_name} is on device {device}: flashtile supports CUDA tensors (or CPU via TRITON_INTERPRET=1)")
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem():
+    """Why Triton's interpreter would compute wrong results here, or None. Triton 3.6's interpreter
+    breaks on loop bounds with numpy >= 2.3 (fixed in 3.7); GPU runs are not affected."""
+    import numpy
+    import triton
+
+    from .triton_compat import VERSION, parse_version
+
+    if VERSION[:2] <= (3, 6) and parse_version(numpy.__version__)[:2] >= (2, 3):
+        return (f"Triton {triton.__version__}'s CPU interpreter (TRITON_INTERPRET=1) does not work with numpy "
+                f"{numpy.__version__}: install numpy<2.3, or Triton >= 3.7")
+    return None
 
 
 def portable_only() -> bool:

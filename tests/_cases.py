@@ -9,6 +9,28 @@ from flashtile.testing import check_errors, check_lse, reference_errors
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
+
+def _inductor_mismatch():
+    """Why torch's own compiler (inductor) cannot be trusted with the Triton in use, or None: a CUDA
+    build of torch names the Triton it was built with, and inductor calls Triton internals that move
+    between releases. flashtile itself supports any Triton in its range."""
+    import importlib.metadata
+
+    import triton
+
+    for req in importlib.metadata.requires("torch") or ():
+        name, _, rest = req.partition("==")
+        if name.strip() == "triton" and rest:
+            built = rest.split(";")[0].strip()
+            if built != triton.__version__:
+                return f"torch {torch.__version__} was built with triton {built}, this run has {triton.__version__}"
+    return None
+
+
+# torch.compile tests compile with inductor on the GPU unless it does not pair with this Triton:
+# then with aot_eager (dynamo, fake tensors and AOT autograd around the same kernels).
+INDUCTOR_MISMATCH = _inductor_mismatch() if ON_GPU else None
+
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 HEAD_DIMS = [40, 64, 96, 128, 200, 256] if ON_GPU else [32, 40, 64, 96]
 # (seqlen_q, seqlen_k): equal, odd, single-token, and both orders of unequal lengths.

@@ -19,3 +19,15 @@ import pytest  # noqa: E402
 def _fresh_seed(request):
     # Each test draws its own fresh random inputs, reproducibly per test id.
     torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+
+
+def pytest_report_header(config):
+    import triton
+
+    from _cases import INDUCTOR_MISMATCH
+
+    lines = [f"flashtile tests: triton {triton.__version__}, "
+             f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU interpreter'}"]
+    if INDUCTOR_MISMATCH:
+        lines.append(f"torch.compile tests use aot_eager, not inductor: {INDUCTOR_MISMATCH}")
+    return lines

@@ -6,7 +6,7 @@ CPU: the argument bookkeeping of CompiledCall and the cache's bounds."""
 import pytest
 import torch
 
-from flashtile import flash_attn_func
+from flashtile import flash_attn_func, triton_compat
 from flashtile.configs import BWD_GLUON, FWD_GLUON, override, table_config
 from flashtile.kernels import launch, plans
 
@@ -165,7 +165,7 @@ def _kernel(a_ptr, b_ptr, n, scale, flag=None, BLOCK: int = 16, EVEN: bool = Tru
 
 
 def test_compiled_call_binds_once_then_replays_in_signature_order(monkeypatch):
-    monkeypatch.setattr(plans, "_current_stream", lambda: 1234)
+    monkeypatch.setattr(triton_compat, "current_stream", lambda: 1234)
     jit = _FakeJit(_kernel)
     call = plans.CompiledCall(jit, (3, 2), ("A0", "B0", 10), dict(scale=0.5, BLOCK=32, num_warps=4),
                               slots=("a_ptr", "b_ptr"))
@@ -283,8 +283,117 @@ def test_portable_backward_plan_on_fresh_tensors():
 
 
 def test_compiled_call_takes_every_slot(monkeypatch):
-    monkeypatch.setattr(plans, "_current_stream", lambda: 0)
+    monkeypatch.setattr(triton_compat, "current_stream", lambda: 0)
     call = plans.CompiledCall(_FakeJit(_kernel), (1,), ("A", "B", 1, 0.5), {}, slots=("a_ptr", "b_ptr"))
     assert call.template[:2] == [None, None]  # the construction's tensors are not kept
     with pytest.raises(AssertionError):
         call("A")
+
+
+@pytest.fixture
+def busy_switching():
+    # Switch threads every microsecond (CPython's default is 5 ms): races show up in a short test.
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(interval)
+
+
+def _in_threads(count, work):
+    """Run ``work(index)`` in ``count`` threads at once; their results, or the first exception."""
+    import threading
+
+    start, results, errors = threading.Barrier(count), [None] * count, []
+
+    def body(index):
+        start.wait()
+        try:
+            results[index] = work(index)
+        except BaseException as exc:  # reported in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread hangs"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_plan_cache_under_many_threads(busy_switching):
+    # 16 threads, 12 keys, room for 4 plans: constant eviction. Every plan returned is the one made
+    # for its key, and the cache never holds more than its capacity.
+    import random
+    import time
+
+    cache, capacity = plans.PlanCache(capacity=4), 4
+    sizes = []
+
+    def work(index):
+        rng, deadline, calls = random.Random(index), time.monotonic() + 1.0, 0
+        while time.monotonic() < deadline or calls < 200:
+            key = rng.randrange(12)
+            action = rng.random()
+            if action < 0.8:
+                plan = cache.get_or_make(key, lambda key=key: (key, object()))
+                assert plan[0] == key, (plan, key)
+            elif action < 0.9:
+                plan = cache.get(key)
+                assert plan is None or plan[0] == key, (plan, key)
+            elif action < 0.99:
+                cache.put(key, (key, object()))
+            else:
+                cache.clear()
+            sizes.append(len(cache.plans))
+            calls += 1
+        return calls
+
+    assert sum(_in_threads(16, work)) >= 16 * 200
+    assert max(sizes) <= capacity and len(cache.plans) <= capacity
+
+
+def test_threads_making_one_plan_share_the_first(busy_switching):
+    # make() runs outside the cache's lock (it compiles kernels, and may use other caches): all 8
+    # threads are inside it at once (else the barrier times out), and all get the plan kept first.
+    import threading
+
+    cache, inside = plans.PlanCache(capacity=2), threading.Barrier(8, timeout=30)
+
+    def make():
+        inside.wait()
+        return object()
+
+    got = _in_threads(8, lambda index: cache.get_or_make("key", make))
+    assert all(plan is got[0] for plan in got) and cache.get("key") is got[0] and len(cache.plans) == 1
+
+
+@pytest.fixture
+def one_interpreted_kernel_at_a_time(monkeypatch):
+    # Triton's CPU interpreter is not thread-safe: while it runs a kernel it patches triton.language
+    # module-wide and keeps the program id in a global. On the CPU, kernels run one at a time, so
+    # the test exercises the rest of the call path (flashtile's host code, autograd) concurrently.
+    if ON_GPU:
+        return
+    import threading
+
+    from triton.runtime import interpreter
+
+    lock, run = threading.RLock(), interpreter.GridExecutor.__call__
+
+    def serialized(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", serialized)
+
+
+def test_concurrent_calls_from_threads(fresh_plans, one_interpreted_kernel_at_a_time):
+    # The whole call path (on CUDA with its plans) from 8 threads at once, each on inputs of its
+    # own: every result matches the reference.
+    dtype = torch.float16 if ON_GPU else torch.float32
+    inputs = [make_qkv(1, 64, 48 + 8 * (i % 2), 2, 1, 32, dtype) for i in range(8)]
+    _in_threads(8, lambda index: check_against_reference(flash_attn_func, *inputs[index], causal=index % 2 == 0))

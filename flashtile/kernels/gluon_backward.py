@@ -58,10 +58,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -70,7 +68,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper import DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported, tma_aligned
+from ..triton_compat import barrier, reinterpret, tma_load, tma_reduce_add, tma_store
+from .hopper import (HEAD_DIMS, DescriptorTemplate, RowDescriptorTemplate, multiprocessors,  # noqa: F401
+                     qkv_supported, tma_aligned)
 from .plans import CompiledCall
 from ..configs import GluonBwdConfig, padded_head_dim
 
@@ -89,7 +89,6 @@ _BN = gl.constexpr(BLOCK_N)
 # The tuned choice per head dim is in flashtile/configs.py (BWD_GLUON). d256 has its own kernel
 # (gluon_attn_bwd_d256_kernel): its warpgroups split the head dim, not the keys. Head dims 96 and
 # 192 run the d128 and d256 kernels with tiles of the padded width (see _descriptor_templates).
-HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # Alternatives the probe (bench/gluon_bwd_probe.py) times against the defaults.
 CANDIDATES = {
@@ -121,15 +120,6 @@ CANDIDATES = {
 
 
 
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Element-wise global[box at coord] += shared src, by TMA (cp.reduce.async.bulk.tensor).
-    Part of the bulk async group: tma.store_wait covers it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                              src.handle)
-
-
 # ----------------------------------------------------------------------------------------------
 # The dQ convert overlapped with the kernel's last CTAs (GluonBwdConfig.overlap_convert).
 # ----------------------------------------------------------------------------------------------
@@ -156,7 +146,7 @@ def _warpgroup_writes_landed(stored):
     both warpgroups have (so the consumers, short of registers, hold no counts pointer)."""
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
                               "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()  # every thread's writes have landed before the arrival
+    barrier()  # every thread's writes have landed before the arrival
     mbarrier.arrive(stored)
 
 
@@ -288,9 +278,9 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
     BN: gl.constexpr = NKV * _KPC
     mbarrier.expect(kv_ready, 2 * NKV * kv_desc_k.block_type.nbytes)
     for c in gl.static_range(NKV):
-        tma.async_copy_global_to_shared(kv_desc_k, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
+        tma_load(kv_desc_k, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
                                         k_smem.index(c))
-        tma.async_copy_global_to_shared(kv_desc_v, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
+        tma_load(kv_desc_v, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
                                         v_smem.index(c))
 
     m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL)
@@ -327,16 +317,16 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
                 lse_smem.index(slot).store(lse)
                 delta_smem.index(slot).store(delta)
                 # Every lane's stores precede the (one-thread, release) arrive below.
-                gl.thread_barrier()
+                barrier()
             mbarrier.expect(q_ready.index(slot), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
+            tma_load(q_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
                                             q_smem.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
+            tma_load(do_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
                                             do_smem.index(slot))
             if not IS_VARLEN:
-                tma.async_copy_global_to_shared(lse_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
+                tma_load(lse_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
                                                 lse_smem.index(slot))
-                tma.async_copy_global_to_shared(delta_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
+                tma_load(delta_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
                                                 delta_smem.index(slot))
             it += 1
     return it
@@ -451,9 +441,9 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, q_row, head, CONSUMER: gl.co
     dq_stage.reshape([_KPC, DQ_N]).store(dq)
     fence_async_shared()
     if DQ_SPLIT_M:
-        _tma_reduce_add(dq_desc, [tma_batch, q_row + CONSUMER * _KPC, head, 0], dq_stage)
+        tma_reduce_add(dq_desc, [tma_batch, q_row + CONSUMER * _KPC, head, 0], dq_stage)
     else:
-        _tma_reduce_add(dq_desc, [tma_batch, q_row, head, CONSUMER * DQ_N], dq_stage)
+        tma_reduce_add(dq_desc, [tma_batch, q_row, head, CONSUMER * DQ_N], dq_stage)
 
 
 @gluon.jit
@@ -542,7 +532,7 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
             mbarrier.arrive(q_empty.index(slot))
             # The previous reduce-add must have read the staging buffer before it is overwritten.
             tma.store_wait(0)
-            gl.thread_barrier()
+            barrier()
             dq = _wait_dq(dq_tok, ds_smem)
             mbarrier.arrive(ds_free.index(prev % 2))
             _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, prev_row, prev_head, CONSUMER, DQ_SPLIT_M)
@@ -617,7 +607,7 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
             zero = 0
         dq_tok = _issue_dq(ds_smem, k_smem, prev % 2, dq_layout, CONSUMER, DQ_SPLIT_M, zero)
         tma.store_wait(0)
-        gl.thread_barrier()
+        barrier()
         dq = _wait_dq(dq_tok, ds_smem)
         if PERSISTENT:
             # The next key block's query blocks take this dS^T buffer in turn.
@@ -658,8 +648,8 @@ def _copy_out_dkdv(dk, dv, k_stage, v_stage, dk_desc, dv_desc, tma_batch, row, k
     k_stage.reshape([dk.shape[0], dk.shape[1]]).store((dk * softmax_scale).to(k_stage.dtype))
     v_stage.reshape([dv.shape[0], dv.shape[1]]).store(dv.to(v_stage.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, col], k_stage)
-    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, col], v_stage)
+    tma_store(dk_desc, [tma_batch, row, kv_head, col], k_stage)
+    tma_store(dv_desc, [tma_batch, row, kv_head, col], v_stage)
 
 
 @gluon.jit
@@ -679,10 +669,10 @@ def _store_dkdv_staged(dk, dv, dq_smem, dk_desc, dv_desc, tma_batch, row, kv_hea
     for both 16-bit tiles) once the last dQ reduce-add has read it, and store them with TMA. No wait
     for the stores: the next reduce-add's wait for its staging covers them (and the CTA's last)."""
     gl.static_assert(dq_smem.shape[4] * 4 == 2 * dk_desc.block_type.shape[3] * 2, "dK + dV fill a dQ staging tile")
-    tiles = dq_smem.index(CONSUMER)._reinterpret(dk_desc.dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
+    tiles = reinterpret(dq_smem.index(CONSUMER), dk_desc.dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
     # The wait is the issuing thread's: the barrier holds every thread until it has returned.
     tma.store_wait(0)
-    gl.thread_barrier()
+    barrier()
     _copy_out_dkdv(dk, dv, tiles.index(0), tiles.index(1), dk_desc, dv_desc, tma_batch, row, kv_head, 0,
                    softmax_scale)
 
@@ -842,7 +832,7 @@ def _publish_unit(unit_smem, unit):
     (one-thread, release) arrival on the K, V barrier that follows."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     unit_smem.store(gl.full([32], unit, gl.int32, layout))
-    gl.thread_barrier()
+    barrier()
 
 
 @gluon.jit
@@ -997,11 +987,11 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
     diag = seqlen_k - seqlen_q
 
     # K, V: 4 chunks of (64 keys, 64 columns).
-    k_chunks = k_smem._reinterpret(dtype, [NCHUNK, _KPC, 64], chunk_layout)
-    v_chunks = v_smem._reinterpret(dtype, [NCHUNK, _KPC, 64], chunk_layout)
+    k_chunks = reinterpret(k_smem, dtype, [NCHUNK, _KPC, 64], chunk_layout)
+    v_chunks = reinterpret(v_smem, dtype, [NCHUNK, _KPC, 64], chunk_layout)
     # P^T, dS^T: [buffer, 64 keys, BLOCK_M queries] and [buffer * 2 + warpgroup, 64 keys, HALF_M].
-    p_halves = p_smem._reinterpret(dtype, [4, _KPC, HALF_M], pt_half_layout)
-    ds_halves = ds_smem._reinterpret(dtype, [4, _KPC, HALF_M], pt_half_layout)
+    p_halves = reinterpret(p_smem, dtype, [4, _KPC, HALF_M], pt_half_layout)
+    ds_halves = reinterpret(ds_smem, dtype, [4, _KPC, HALF_M], pt_half_layout)
 
     keys = start_n + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -1018,10 +1008,10 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         # at 1k-16k (bench/results/2026-11-22-h200-d256-bwd-opaque-kv/).
         zero = _opaque_zero(it)
         # Q, dO slot as (chunk, row half) tiles of (HALF_M, 64), and as head-dim halves (BLOCK_M, 128).
-        q_tiles = q_smem.index(slot)._reinterpret(dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
-        do_tiles = do_smem.index(slot)._reinterpret(dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
-        q_mine = q_smem.index(slot)._reinterpret(dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
-        do_mine = do_smem.index(slot)._reinterpret(dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
+        q_tiles = reinterpret(q_smem.index(slot), dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
+        do_tiles = reinterpret(do_smem.index(slot), dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
+        q_mine = reinterpret(q_smem.index(slot), dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
+        do_mine = reinterpret(do_smem.index(slot), dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
 
         # S^T = K Q_c^T and dP^T = V dO_c^T for this warpgroup's query rows, summed over the
         # head-dim chunks. (Starting dP^T at -delta, as at d64/d128, makes ptxas wait for S^T
@@ -1072,8 +1062,8 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         # its dK, dV products retire). One 64-column tile at a time: dK, dV and two dQ tiles
         # in registers at once would spill.
         stage_shape: gl.constexpr = [2, 1, BLOCK_M, 1, _DQ_N]
-        stage_q = q_smem.index(slot)._reinterpret(gl.float32, stage_shape, stage_layout).index(CONSUMER)
-        stage_do = do_smem.index(slot)._reinterpret(gl.float32, stage_shape, stage_layout).index(CONSUMER)
+        stage_q = reinterpret(q_smem.index(slot), gl.float32, stage_shape, stage_layout).index(CONSUMER)
+        stage_do = reinterpret(do_smem.index(slot), gl.float32, stage_shape, stage_layout).index(CONSUMER)
         col0 = CONSUMER * _D256_HALF
         dv_tok = warpgroup_mma(pt, do_mine, dv, is_async=True)
         dk_tok = warpgroup_mma(dst, q_mine, dk, is_async=True)
@@ -1089,13 +1079,13 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
                 dq, _, _ = warpgroup_mma_wait(1, deps=[dq_tok, dst, k_chunks])
                 stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
                 fence_async_shared()
-                _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
+                tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
                 dq, _, _ = warpgroup_mma_wait(0, deps=[dq1_tok, dst, k_chunks])
             else:
                 dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
                 stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
                 fence_async_shared()
-                _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
+                tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
                 dq_tok = warpgroup_mma(dst.permute([1, 0]), k_chunks.index(2 * CONSUMER + 1 + zero),
                                        gl.zeros([BLOCK_M, _DQ_N], gl.float32, dq_layout), use_acc=False,
                                        is_async=True)
@@ -1103,14 +1093,14 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
             mbarrier.arrive(ds_free.index(buf))
             stage_do.reshape([BLOCK_M, _DQ_N]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0 + _DQ_N], stage_do)
+            tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0 + _DQ_N], stage_do)
         else:
             # Padded head dim: only the first of this warpgroup's dQ tiles is in the tensor.
             dq, _, _ = warpgroup_mma_wait(0, deps=[dq_tok, dst, k_chunks])
             mbarrier.arrive(ds_free.index(buf))
             stage_q.reshape([BLOCK_M, _DQ_N]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
+            tma_reduce_add(dq_desc, [tma_batch, q_start + start_m, head, col0], stage_q)
         it += 1
     return it, dk, dv
 
@@ -1183,13 +1173,13 @@ def _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, ro
     """Stage this warpgroup's head-dim half of dK, dV in its halves of the K, V tiles and store
     them with TMA."""
     dtype: gl.constexpr = k_smem.dtype
-    k_stage = k_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dk_desc.layout).index(CONSUMER)
-    v_stage = v_smem._reinterpret(dtype, [2, 1, _KPC, 1, _D256_HALF], dv_desc.layout).index(CONSUMER)
+    k_stage = reinterpret(k_smem, dtype, [2, 1, _KPC, 1, _D256_HALF], dk_desc.layout).index(CONSUMER)
+    v_stage = reinterpret(v_smem, dtype, [2, 1, _KPC, 1, _D256_HALF], dv_desc.layout).index(CONSUMER)
     k_stage.reshape([_KPC, _D256_HALF]).store((dk * softmax_scale).to(dtype))
     v_stage.reshape([_KPC, _D256_HALF]).store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], k_stage)
-    tma.async_copy_shared_to_global(dv_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], v_stage)
+    tma_store(dk_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], k_stage)
+    tma_store(dv_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], v_stage)
     tma.store_wait(0)
 
 
@@ -1330,7 +1320,7 @@ def gluon_bwd_dq_convert_kernel(Acc, DQ, stride_dqb, stride_dqs, stride_dqh, seq
 
 def supported(q, k, v, causal) -> bool:
     """Whether this kernel takes these tensors (see hopper.qkv_supported)."""
-    return qkv_supported(q, k, v, HEAD_DIMS)
+    return qkv_supported(q, k, v)
 
 
 def padded_row_stride(seqlen_q: int) -> int:

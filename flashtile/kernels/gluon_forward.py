@@ -46,7 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper import DescriptorTemplate, multiprocessors, qkv_supported
+from ..triton_compat import reinterpret, tma_load, tma_store
+from .hopper import HEAD_DIMS, DescriptorTemplate, multiprocessors, qkv_supported  # noqa: F401 (HEAD_DIMS re-exported)
 from .plans import CompiledCall
 from .tile_order import grouped_tile_order, heads_per_group
 from ..configs import GluonFwdConfig, padded_head_dim
@@ -59,7 +60,6 @@ ROWS_PER_CONSUMER = 64
 # The tuned choice per (head dim, causal, seqlen) is in flashtile/configs.py (FWD_GLUON).
 # Head dims 96 and 192 run the d128 and d256 kernels with tiles of the padded width (see
 # make_launcher): a third / a quarter of the matmul work is spent on zero columns.
-HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # Alternatives the probe (bench/gluon_fwd_probe.py) times against the defaults; all compile for
 # sm90 without spills.
@@ -258,7 +258,7 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
         if PERSISTENT:
             mbarrier.wait(q_empty.index(c), q_phase ^ 1)
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [tma_batch, _chunk_start(q_row, c, reverse, NUM_CONSUMERS), head, 0],
+        tma_load(q_desc, [tma_batch, _chunk_start(q_row, c, reverse, NUM_CONSUMERS), head, 0],
                                         q_ready.index(c), q_smem.index(c))
 
     for jj in range(n_total):
@@ -268,11 +268,11 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), empty_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
+        tma_load(k_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
                                         k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
+        tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
                                         v_ready.index(stage), v_smem.index(stage))
 
 
@@ -380,10 +380,10 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
     ROWS: gl.constexpr = q_buf.shape[1]
     BLOCK_N: gl.constexpr = k_buf.shape[1]
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_lo = q_buf._reinterpret(dtype, [2, ROWS, 128], layout).index(0)
-    k_lo = k_buf._reinterpret(dtype, [2, BLOCK_N, 128], layout).index(0)
-    q_hi = q_buf._reinterpret(dtype, [4, ROWS, 64], layout).index(2)
-    k_hi = k_buf._reinterpret(dtype, [4, BLOCK_N, 64], layout).index(2)
+    q_lo = reinterpret(q_buf, dtype, [2, ROWS, 128], layout).index(0)
+    k_lo = reinterpret(k_buf, dtype, [2, BLOCK_N, 128], layout).index(0)
+    q_hi = reinterpret(q_buf, dtype, [4, ROWS, 64], layout).index(2)
+    k_hi = reinterpret(k_buf, dtype, [4, BLOCK_N, 64], layout).index(2)
     s_tok = warpgroup_mma(q_lo, k_lo.permute([1, 0]), s_zero, use_acc=False, is_async=True)
     return warpgroup_mma(q_hi, k_hi.permute([1, 0]), s_tok, is_async=True)
 
@@ -540,7 +540,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
     h_rows: gl.constexpr = gl.SliceLayout(1, h_layout)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     stage, phase, prev = _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES)
-    k_half_t = k_smem.index(stage)._reinterpret(dtype, [2, HALF, HEAD_DIM], tile_layout).index(0).permute([1, 0])
+    k_half_t = reinterpret(k_smem.index(stage), dtype, [2, HALF, HEAD_DIM], tile_layout).index(0).permute([1, 0])
     v_prev = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
     if PINGPONG:
         mbarrier.wait(my_turn, (turn0 + j) & 1)
@@ -575,10 +575,10 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
 
     # O += P_j V_j[:half] (and l += P_j 1).
     mbarrier.wait(v_ready.index(stage), phase)
-    v_half = v_smem.index(stage)._reinterpret(dtype, [2, HALF, HEAD_DIM], tile_layout).index(0)
+    v_half = reinterpret(v_smem.index(stage), dtype, [2, HALF, HEAD_DIM], tile_layout).index(0)
     ones_half_t = ones_smem  # unused without ROW_SUM_MMA
     if ROW_SUM_MMA:
-        ones_half_t = ones_smem._reinterpret(dtype, [2, 8, HALF], tile_layout).index(0).permute([1, 0])
+        ones_half_t = reinterpret(ones_smem, dtype, [2, 8, HALF], tile_layout).index(0).permute([1, 0])
     acc, l_i = _last_product(p_half, v_half, ones_half_t, acc, l_i, my_turn, other_turn, (turn0 + j + 1) & 1,
                              PINGPONG, ROW_SUM_MMA)
     mbarrier.arrive(v_empty.index(stage))
@@ -740,7 +740,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             # The whole box lies in this sequence: TMA store through the dead Q buffer.
             q_op.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [0, q_start + my_start, head, 0], q_buf)
+            tma_store(o_desc, [0, q_start + my_start, head, 0], q_buf)
             tma.store_wait(0)
         else:
             # The sequence's last (ragged) rows: a TMA box would overwrite the next sequence's
@@ -768,13 +768,13 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             tma.store_wait(0)
             o_buf.reshape([64, HEAD_DIM]).store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], o_buf)
+            tma_store(o_desc, [batch, my_start, head, 0], o_buf)
         else:
             # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which
             # clips rows past seqlen_q.
             q_op.store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [batch, my_start, head, 0], q_buf)
+            tma_store(o_desc, [batch, my_start, head, 0], q_buf)
             tma.store_wait(0)
 
 
@@ -998,7 +998,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
 
 def supported(q, k, v, causal) -> bool:
     """Whether this kernel takes these tensors (see hopper.qkv_supported)."""
-    return qkv_supported(q, k, v, HEAD_DIMS)
+    return qkv_supported(q, k, v)
 
 
 def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: bool,

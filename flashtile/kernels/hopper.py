@@ -2,10 +2,12 @@
 tensor descriptors can address, and which the Hopper Gluon kernels take."""
 
 import functools
+from typing import Optional
 
 import torch
 
 from ..runtime import device_capability, multiprocessor_count
+from ..triton_compat import gluon_tensor_descriptor, tensor_descriptor
 
 FLOAT16_TYPES = (torch.bfloat16, torch.float16)
 
@@ -18,23 +20,52 @@ def tma_aligned(t: torch.Tensor) -> bool:
             and all((stride * size) % 16 == 0 for stride in t.stride()[:-1]))
 
 
-def qkv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tuple) -> bool:
-    """(b, s, h, d) fp16/bf16 CUDA tensors on an sm90 device, with a head dim in ``head_dims``,
-    consistent GQA shapes and TMA-aligned layouts."""
+# Head dims the Gluon kernels are built for (96 and 192 through zero-padded TMA boxes).
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def tma_misalignment(name: str, t: torch.Tensor) -> Optional[str]:
+    """Why a tensor descriptor cannot cover ``t`` (see tma_aligned), or None when it can."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return f"{name} is empty"
+    if t.stride(-1) != 1:
+        return f"{name} has last stride {t.stride(-1)}, not 1"
+    if t.data_ptr() % 16:
+        return f"{name}'s base address is not 16-byte aligned"
+    bad = [s for s in t.stride()[:-1] if (s * size) % 16]
+    if bad:
+        return f"{name} has strides {tuple(t.stride())}: {bad[0] * size} bytes is not a multiple of 16"
+    return None
+
+
+def qkv_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the Gluon kernels cannot take these (b, s, h, d) tensors, the device aside, or None when
+    they can: fp16 / bf16 of one dtype, a head dim in HEAD_DIMS, a GQA layout, TMA-aligned."""
+    if q.dtype not in FLOAT16_TYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {str(q.dtype).replace('torch.', '')}: the Hopper kernels take float16 and bfloat16"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v are not (batch, seqlen, heads, head_dim) tensors"
+    head_dim = q.shape[-1]
+    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        return f"head dim {head_dim}: the Hopper kernels take head dims {', '.join(map(str, HEAD_DIMS))}"
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        return (f"q {tuple(q.shape)} and k, v {tuple(k.shape)}, {tuple(v.shape)} are not a GQA layout the Hopper "
+                "kernels take")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        why = tma_misalignment(name, t)
+        if why is not None:
+            return f"{why}: the Hopper kernels need TMA-aligned tensors (16-byte base and strides, unit last stride)"
+    return None
+
+
+def qkv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """CUDA tensors on an sm90 device that the Gluon kernels take (see qkv_unsupported)."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False
     if device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return False
-    if q.dtype not in FLOAT16_TYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return False
-    head_dim = q.shape[-1]
-    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        return False
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        return False
-    return tma_aligned(q) and tma_aligned(k) and tma_aligned(v)
+    return qkv_unsupported(q, k, v) is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,17 +83,6 @@ def _flat_layout(element_bits: int):
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=element_bits, rank=1)
 
 
-def _host_descriptor(base: torch.Tensor, shape: list, strides: list, block: list, layout):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # TensorDescriptor's constructor re-validates what tma_aligned() already checked and
-    # costs several microseconds of host time per descriptor; set the fields directly.
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout = base, shape, strides, block, layout
-    desc.padding = "zero"
-    return desc
-
-
 class DescriptorTemplate:
     """Host TMA descriptors over TMA-aligned (b, s, h, d) views (see tma_aligned) of one shape,
     strides and dtype, for Gluon kernels: (1, rows, 1, cols or d) boxes, swizzled the way wgmma
@@ -75,7 +95,7 @@ class DescriptorTemplate:
         self.layout = _swizzled_layout(block, t.dtype)
 
     def __call__(self, t: torch.Tensor):
-        return _host_descriptor(t, self.shape, self.strides, self.block, self.layout)
+        return gluon_tensor_descriptor(t, self.shape, self.strides, self.block, self.layout)
 
 
 class TileDescriptorTemplate:
@@ -87,12 +107,7 @@ class TileDescriptorTemplate:
         self.shape, self.strides, self.block = list(t.shape), list(t.stride()), [1, rows, 1, cols]
 
     def __call__(self, t: torch.Tensor):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        desc = object.__new__(TensorDescriptor)  # fields set directly, as _host_descriptor does
-        desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = (t, self.shape, self.strides,
-                                                                               self.block, "zero")
-        return desc
+        return tensor_descriptor(t, self.shape, self.strides, self.block)
 
 
 class RowDescriptorTemplate:
@@ -106,7 +121,7 @@ class RowDescriptorTemplate:
         self.layout = _flat_layout(t.element_size() * 8)
 
     def __call__(self, t: torch.Tensor):
-        return _host_descriptor(t, self.shape, self.strides, self.block, self.layout)
+        return gluon_tensor_descriptor(t, self.shape, self.strides, self.block, self.layout)
 
 
 def multiprocessors(device: torch.device) -> int:

@@ -8,21 +8,22 @@ saying where each sequence lives; the same kernels serve both (see kernels/seqle
 """
 
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import triton
 
-from .. import autotune
+from .. import autotune, triton_compat
 from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_GLUON,
                        PORTABLE_CANDIDATES, Config, get_config, overridden, padded_head_dim)
-from ..runtime import arch_of, empty, portable_only
+from ..runtime import arch_of, device_capability, empty, portable_only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .combine import attn_combine_kernel
 from .kvcache_update import kvcache_update_kernel
 from .forward import attn_fwd_kernel
-from .hopper import TileDescriptorTemplate, tma_aligned
+from .hopper import TileDescriptorTemplate, qkv_unsupported, tma_aligned
 from .plans import CompiledCall, PlanCache, tensor_signature
 from .plans import enabled as plans_enabled
 from .probs import attn_probs_kernel
@@ -187,31 +188,113 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs] = N
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
 
 
-def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> Optional[Config]:
-    """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
-    call, else None: the call runs on the portable Triton kernels."""
-    if q.device.type != "cuda" or portable_only() or not params.plain or (seqs is not None and seqs.paged):
-        return None
+_gluon_fallback_warned = False
+
+
+def reset_gluon_fallback_warning() -> None:
+    """Let the next call that falls back for want of Gluon warn again (tests)."""
+    global _gluon_fallback_warned
+    _gluon_fallback_warned = False
+
+
+def _warn_gluon_fallback(reason: str) -> None:
+    # Once per process: every plan of every shape would take this path, and one warning says it.
+    global _gluon_fallback_warned
+    if _gluon_fallback_warned:
+        return
+    _gluon_fallback_warned = True
+    warnings.warn(f"flashtile: Triton {triton.__version__} cannot run the Hopper (Gluon) kernels ({reason}); this "
+                  "call and later ones run on the portable Triton kernels instead, which are slower. "
+                  "`python -m flashtile.env` prints the details.", RuntimeWarning, stacklevel=3)
+
+
+def _options_off_hopper(params: ScoreParams) -> str:
+    """Names the options that make ``params`` not plain (the rule itself is ScoreParams.plain)."""
+    options = []
+    if params.dropout_p > 0.0:
+        options.append(f"dropout (dropout_p={params.dropout_p})")
+    if params.softcap > 0.0:
+        options.append(f"softcap={params.softcap}")
+    if params.alibi_slopes is not None:
+        options.append("ALiBi (alibi_slopes)")
+    if params.window_left >= 0 or params.window_right not in (-1, 0):
+        options.append(f"a sliding window (window_size=({params.window_left}, {params.window_right}))")
+    if params.softmax_scale <= 0:
+        options.append(f"softmax_scale={params.softmax_scale} <= 0")
+    return " and ".join(options) or "these score options"
+
+
+def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None, *,
+                   deterministic: bool = False, device_capability: Optional[tuple] = None,
+                   warn: bool = True) -> Tuple[Optional[Config], str]:
+    """(config, reason): the config of the Hopper Gluon kernel ``kernel`` (FWD_GLUON or BWD_GLUON)
+    when it serves this call, else None (the call runs on the portable Triton kernels), and why, in
+    the user's terms. The one place the rules live: the launch path (gluon_config) and
+    flashtile.explain both ask it.
+
+    ``deterministic``: the backward's flag (BWD_GLUON only). ``device_capability``: (major, minor)
+    of a hypothetical CUDA device to decide for in place of q's (flashtile.explain on CPU; never
+    the launch path). ``warn``: when the call would take the Hopper path but this Triton cannot
+    run the Gluon kernels, warn once per process (RuntimeWarning) that it falls back.
+    """
+    if device_capability is None:
+        if q.device.type != "cuda":
+            return None, f"q is on {q.device.type}, not a CUDA tensor"
+        device_capability = _capability(q.device)
+    major, minor = device_capability
+    arch = f"sm{major}{minor}"
+    if (major, minor) != (9, 0):
+        return None, f"the GPU is {arch} (compute capability {major}.{minor}); the Hopper kernels need sm90"
+    if portable_only():
+        return None, "FLASHTILE_PORTABLE=1 keeps every call on the portable kernels"
+    if kernel == BWD_GLUON and deterministic:
+        return None, ("deterministic=True: the Hopper backward adds dQ up with float32 atomics in no fixed "
+                      "order; the portable backward sums every gradient in a fixed order")
+    if not params.plain:
+        return None, f"{_options_off_hopper(params)}: the Hopper kernels take plain or causal attention only"
+    if seqs is not None and seqs.paged:
+        return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):
         # The Gluon kernels read whole tiles past a sequence's end and mask them; slots past
         # seqused may hold anything (NaN * 0 is NaN), so those go to the portable kernels, which do
         # not load them. The forward reads unused query rows harmlessly (their output is selected
         # away), the backward adds them into dK and dV (P^T dO, dS^T Q with a zero P, dS).
-        return None
+        used = "seqused_k" if seqs.seqused_k is not None else "seqused_q"
+        return None, (f"{used} is set: the Hopper kernels read whole tiles past each sequence's used tokens, "
+                      "which may hold anything")
+    tensors_reason = qkv_unsupported(q, k, v)
+    if tensors_reason is not None:
+        return None, tensors_reason
     portable = (FWD, FWD_DECODE) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
     if any(overridden(name) for name in portable) and not overridden(kernel):
-        return None  # an explicit portable config was asked for
+        overrides = ", ".join(name for name in portable if overridden(name))
+        return None, f"an explicit portable config is set (configs.override of {overrides})"
     _, _, max_seqlen_k = _grid_lengths(q, k, seqs)
-    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype,
-                     varlen=seqs is not None)
+    cfg = get_config(kernel, arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype, varlen=seqs is not None)
+    direction = "forward" if kernel == FWD_GLUON else "backward"
+    mask = "causal" if params.causal else "full"
     if cfg is None:
-        return None
-    # Imported on sm90 only (Gluon has no CPU interpreter).
-    if kernel == FWD_GLUON:
-        from .gluon_forward import supported
-    else:
-        from .gluon_backward import supported
-    return cfg if supported(q, k, v, params.causal) else None
+        layout = "packed" if seqs is not None else "dense"
+        return None, (f"the {arch} config table has no Hopper {direction} for head dim {q.shape[-1]}, {mask}, "
+                      f"{max_seqlen_k} keys, {layout} batches: the portable kernels serve these")
+    available, why = triton_compat.gluon_status()
+    if not available:
+        if warn:
+            _warn_gluon_fallback(why)
+        return None, f"the Gluon kernels are unavailable on Triton {triton.__version__}: {why}"
+    return cfg, (f"{arch}, {str(q.dtype).replace('torch.', '')}, head dim {q.shape[-1]}, {mask} attention: "
+                 f"the Hopper Gluon {direction}")
+
+
+def _capability(device: torch.device) -> tuple:
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None,
+                 deterministic: bool = False) -> Optional[Config]:
+    """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
+    call, else None: the call runs on the portable Triton kernels (see gluon_decision)."""
+    return gluon_decision(kernel, q, k, v, params, seqs, deterministic=deterministic)[0]
 
 
 def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> None:
@@ -616,7 +699,7 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     head_dim = q.shape[3]
     max_seqlen_k = _grid_lengths(q, k, seqs)[2]
     pre_cfg = get_config(BWD_PREPROCESS, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
-    gluon_cfg = None if deterministic else gluon_config(BWD_GLUON, q, k, v, params, seqs)
+    gluon_cfg = gluon_config(BWD_GLUON, q, k, v, params, seqs, deterministic=deterministic)
     if gluon_cfg is not None:
         plan = _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params, gluon_cfg, pre_cfg, seqs)
     else:
@@ -706,7 +789,7 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
         *_bsh_strides(q), *_bsh_strides(k), *_bh_strides(lse),
         probs.stride(0), probs.stride(1), probs.stride(2), **_seq_args(seqs), **_page_args(k, seqs),
         **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **triton_compat.LAUNCH_OPTIONS,
     )
     return probs
 

@@ -18,12 +18,14 @@ FLASHTILE_LAUNCH_PLANS=0 (to compare against, or to rule plans out when debuggin
 import functools
 import inspect
 import os
+import threading
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .. import autotune
 from ..configs import any_overridden
+from ..triton_compat import LAUNCH_OPTIONS, launch_compiled
 
 
 def enabled() -> bool:
@@ -41,39 +43,53 @@ def tensor_signature(t: Optional[torch.Tensor]) -> tuple:
 
 class PlanCache:
     """Plans by signature. Bounded: a process that sees many shapes (varying batch sizes,
-    sequence lengths) drops its oldest plans instead of growing without end."""
+    sequence lengths) drops its oldest plans instead of growing without end.
+
+    Shared by every thread that calls into flashtile: a lock guards the dict (evicting while
+    another thread looks up or inserts would break both), but is never held while a plan is made."""
 
     def __init__(self, capacity: int = 512):
         self.capacity = capacity
         self.plans: dict = {}
+        self._lock = threading.Lock()
 
     def get(self, key) -> Optional[Callable]:
-        return self.plans.get(key)
+        with self._lock:
+            return self.plans.get(key)
 
     def put(self, key, plan: Callable) -> None:
-        if len(self.plans) >= self.capacity:
-            del self.plans[next(iter(self.plans))]
+        with self._lock:
+            self._insert(key, plan)
+
+    def _insert(self, key, plan: Callable) -> None:
+        """Keep ``plan`` under ``key``, evicting the oldest plans to stay within capacity (with
+        the lock held)."""
+        if key not in self.plans:
+            while self.plans and len(self.plans) >= self.capacity:
+                del self.plans[next(iter(self.plans))]
         self.plans[key] = plan
 
     def get_or_make(self, key, make: Callable[[], Callable]) -> Callable:
         """The plan kept under ``key``, or a new one from ``make()``, kept unless ``key`` is None
         (a call no plan may serve: made, used once, dropped)."""
-        plan = None if key is None else self.plans.get(key)
-        if plan is None:
-            plan = make()
-            if key is not None:
-                self.put(key, plan)
+        if key is None:
+            return make()
+        with self._lock:
+            plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        # Made outside the lock: making compiles kernels (seconds), and may use other caches.
+        plan = make()
+        with self._lock:
+            kept = self.plans.get(key)
+            if kept is not None:
+                return kept  # another thread made one meanwhile: every caller shares the first
+            self._insert(key, plan)
         return plan
 
     def clear(self) -> None:
-        self.plans.clear()
-
-
-def _current_stream() -> int:
-    """The current CUDA stream of the current device, as Triton's JIT launches on it."""
-    from triton.runtime.driver import driver
-
-    return driver.active.get_current_stream(driver.active.get_current_device())
+        with self._lock:
+            self.plans.clear()
 
 
 _REQUIRED = object()  # a parameter without a default, in _Signature.defaults
@@ -119,7 +135,7 @@ class CompiledCall:
         self.names = signature.names
         template = list(signature.defaults)
         template[:len(args)] = args
-        self.options = {}
+        self.options = dict(LAUNCH_OPTIONS)
         for name, value in kwargs.items():
             index = signature.index.get(name)
             if index is None:
@@ -146,11 +162,5 @@ class CompiledCall:
         if kernel is None:
             self.kernel = self.fn[self.grid](**dict(zip(self.names, args)), **self.options)
             return self.kernel
-        from triton import knobs
-
-        stream = _current_stream()
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        # Launch hooks (e.g. Triton's profiler) get the metadata the JIT path would give them.
-        metadata = kernel.launch_metadata(self.grid, stream, *args) if enter.calls or leave.calls else None
-        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *args)
+        launch_compiled(kernel, self.grid, args)
         return kernel
