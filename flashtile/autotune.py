@@ -7,26 +7,41 @@ fastest and records it in a JSON file; later calls, and later processes, read th
 there. Use it on GPUs or shapes the tables were not tuned for.
 
 A shape class is (GPU name, arch, kernel, head dim, causal, dtype, seqlen_k rounded up to a
-power of two). The file is ``$FLASHTILE_CACHE_DIR/autotune.json`` (default
-``~/.cache/flashtile``). Configs given with :func:`flashtile.configs.override` are never
-replaced. Every candidate computes the same function (the test suite runs them); one that does
-not fit the GPU (shared memory, registers) or does not compile is skipped and noted in the file.
+power of two, Triton version: another compiler may favour another config). The file is
+``$FLASHTILE_CACHE_DIR/autotune.json`` (default ``~/.cache/flashtile``). Configs given with
+:func:`flashtile.configs.override` are never replaced. Every candidate computes the same
+function (the test suite runs them); one that does not fit the GPU (shared memory, registers) or
+does not compile is skipped and noted in the file.
+
+The file is shared by every process on the machine (one per GPU, typically): writes take an
+advisory lock on ``autotune.json.lock`` and replace the file atomically. A file or entry that
+cannot be read back (corrupt, or written by another flashtile version) is ignored with a
+RuntimeWarning: its shape classes are tuned again and the next write replaces it.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+import triton
 
 from .configs import Config, GluonBwdConfig, GluonFwdConfig, KernelConfig
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process lock (Triton itself only runs on Linux)
+    fcntl = None
+
 _CONFIG_TYPES = {cls.__name__: cls for cls in (KernelConfig, GluonFwdConfig, GluonBwdConfig)}
-_lock = threading.Lock()
-_memory: Optional[dict] = None  # the file's contents, read once per process
+_lock = threading.Lock()  # guards _memory and _warned, and orders this process's own writes
+_memory: Optional[dict] = None  # the file's valid entries, read once per process
+_warned: set = set()  # problems already reported: each is warned about once
 
 
 def enabled() -> bool:
@@ -42,7 +57,9 @@ def shape_key(kernel: str, device: torch.device, arch: str, head_dim: int, causa
               dtype: torch.dtype) -> str:
     bucket = 1 << max(int(seqlen_k) - 1, 127).bit_length()  # 128, 256, ..., the next power of two
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"{name}|{arch}|{kernel}|d{head_dim}|{'causal' if causal else 'full'}|{str(dtype)[6:]}|sk{bucket}"
+    # The Triton version goes last, so the fields before it keep their positions.
+    return (f"{name}|{arch}|{kernel}|d{head_dim}|{'causal' if causal else 'full'}|{str(dtype)[6:]}|sk{bucket}"
+            f"|triton{triton.__version__}")
 
 
 def _to_json(cfg: Config) -> dict:
@@ -54,35 +71,123 @@ def _from_json(entry: dict) -> Config:
     return _CONFIG_TYPES[fields.pop("type")](**fields)
 
 
+def _entry_problem(entry) -> Optional[str]:
+    """Why ``entry`` cannot serve as a recorded choice (None: it can)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        return "is not an object with a 'config' object"
+    fields = dict(entry["config"])
+    cls = _CONFIG_TYPES.get(fields.pop("type", None))
+    if cls is None:
+        return f"has an unknown config type {entry['config'].get('type')!r}"
+    # Exactly the dataclass's fields: an entry from a flashtile whose config had other fields
+    # described another search space, even where the defaults would fill the gaps.
+    expected = {f.name for f in dataclasses.fields(cls)}
+    if set(fields) != expected:
+        return f"does not match {cls.__name__}'s fields {sorted(expected)}: {sorted(fields)}"
+    if not all(isinstance(value, (bool, int, float, str, type(None))) for value in fields.values()):
+        return f"has a {cls.__name__} field that is not a number, string or null"
+    try:
+        cls(**fields)
+    except (TypeError, ValueError) as exc:
+        return f"is not a valid {cls.__name__} ({exc})"
+    return None
+
+
+def _warn(message: str) -> None:
+    # Called with _lock held. Once per problem: the file is read again at every store.
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning)
+
+
+def _read(path: Path) -> dict:
+    """The valid entries of the file at ``path``; the rest is reported and left out."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        _warn(f"flashtile autotune cache {path} cannot be read ({exc}); ignored, configs are tuned again")
+        return {}
+    except ValueError as exc:  # not JSON, or not UTF-8
+        _warn(f"flashtile autotune cache {path} is not valid JSON ({exc}); ignored, configs are tuned again "
+              f"and the file is rewritten at the next store")
+        return {}
+    if not isinstance(data, dict):
+        _warn(f"flashtile autotune cache {path} holds a JSON {type(data).__name__}, not an object; ignored, "
+              f"configs are tuned again and the file is rewritten at the next store")
+        return {}
+    valid = {}
+    for key, entry in data.items():
+        problem = _entry_problem(entry)
+        if problem is None:
+            valid[key] = entry
+        else:
+            _warn(f"flashtile autotune cache {path}: entry {key!r} {problem}; ignored, that shape class is "
+                  f"tuned again and the entry replaced")
+    return valid
+
+
 def _load() -> dict:
     global _memory
     if _memory is None:
-        try:
-            _memory = json.loads(cache_path().read_text())
-        except (OSError, ValueError):
-            _memory = {}
+        _memory = _read(cache_path())
     return _memory
 
 
-def _store(key: str, entry: dict) -> None:
-    """Add one entry to the file, keeping what other processes wrote meanwhile."""
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Exclusive access to ``path`` among processes that take this lock too (every flashtile)."""
+    if fcntl is None:
+        yield
+        return
+    # A sibling file, never replaced or deleted: the lock must outlive every version of the cache.
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: readers see the old file or the new one, never a part."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # ours alone
     try:
-        on_disk = json.loads(path.read_text())
-    except (OSError, ValueError):
-        on_disk = {}
-    on_disk[key] = entry
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(on_disk, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _store(key: str, entry: dict) -> None:
+    """Add one entry to the file, keeping what other processes wrote meanwhile (and dropping what
+    cannot be read back). Called with _lock held."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path):
+            on_disk = _read(path)
+            on_disk[key] = entry
+            _write_atomically(path, json.dumps(on_disk, indent=1, sort_keys=True) + "\n")
+    except OSError as exc:  # read-only or full disk: the choice still serves this process
+        _warn(f"flashtile autotune cache {path} cannot be written ({exc}); the choice for {key!r} is kept "
+              f"for this process only")
+        on_disk = {key: entry}
     _load().update(on_disk)
 
 
 def forget() -> None:
     """Drop what this process read from the file (the next lookup reads it again)."""
     global _memory
-    _memory = None
+    with _lock:
+        _memory = None
+        _warned.clear()
 
 
 def choose(key: str, candidates: Sequence[Config], run: Callable[[Config], object],
