@@ -1,5 +1,6 @@
 """flashtile: exact FlashAttention in Triton, behind the flash_attn API."""
 
+from .compat import install_as_flash_attn, uninstall_as_flash_attn
 from .dispatch import Explanation, PathChoice, explain
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .kvcache import flash_attn_with_kvcache
@@ -20,6 +21,8 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "index_first_axis",
+    "install_as_flash_attn",
     "pad_input",
+    "uninstall_as_flash_attn",
     "unpad_input",
 ]

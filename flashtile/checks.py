@@ -2,6 +2,8 @@
 the argument and says what was expected, before any kernel is launched."""
 
 import numbers
+import operator
+from typing import Tuple
 
 import torch
 
@@ -63,20 +65,68 @@ def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("
         raise ValueError(f"{qn} has batch {batch} and {nheads} heads; each must be at most {MAX_GRID_DIM}")
 
 
-def check_options(*, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  batch: int, nheads: int, device: torch.device) -> None:
+def check_flag(value, name: str) -> bool:
+    """A boolean option as a Python bool: True / False, numpy bools, or the ints 0 and 1 (what
+    flash_attn's bool parameters take). Anything else would be read by truthiness, so it raises."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return bool(value)  # flashtile never imports numpy; its bool type is recognised by name
+    if isinstance(value, numbers.Integral):
+        if value in (0, 1):
+            return bool(value)
+        raise ValueError(f"{name} must be a bool (True / False, or 0 / 1), got {value!r}")
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def window_pair(window_size) -> Tuple[int, int]:
+    """window_size as two Python ints (left, right), from any pair of int-likes: a tuple, list or
+    numpy array of Python or numpy ints or single-element integer tensors, or a 2-element integer tensor.
+    A tensor on the GPU costs one host synchronisation (the kernels take the window as ints)."""
+    expected = ("window_size must be a pair of ints (left, right): Python or numpy ints, integer tensors of "
+                "one element, or an integer tensor of two")
+    if isinstance(window_size, torch.Tensor):
+        if window_size.is_floating_point() or window_size.is_complex() or window_size.dtype == torch.bool \
+                or window_size.numel() != 2:
+            raise ValueError(f"{expected}; got a {_dtype_name(window_size.dtype)} tensor of shape "
+                             f"{tuple(window_size.shape)}")
+        items = window_size.reshape(2).tolist()
+    elif (not isinstance(window_size, (str, bytes)) and hasattr(window_size, "__len__")
+          and hasattr(window_size, "__iter__") and len(window_size) == 2):
+        items = list(window_size)  # a tuple, a list, a numpy array of two ints, ...
+    else:
+        raise ValueError(f"{expected}; got {window_size!r}")
+    pair = []
+    for w in items:
+        # bool is an int (and a bool tensor has __index__): a window of True is a mistake
+        if isinstance(w, bool) or (isinstance(w, torch.Tensor) and w.dtype == torch.bool):
+            raise ValueError(f"{expected}; got {window_size!r}")
+        try:
+            pair.append(operator.index(w))  # ints, numpy ints, one-element integer tensors; never floats
+        except TypeError:
+            raise ValueError(f"{expected}; got {window_size!r}") from None
+    if any(w < -1 for w in pair):
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {tuple(pair)}")
+    return pair[0], pair[1]
+
+
+def check_dropout_p(dropout_p) -> None:
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+
+
+def check_options(*, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  batch: int, nheads: int, device: torch.device, deterministic=False,
+                  return_attn_probs=False) -> Tuple[int, int]:
+    """Check the score options and the boolean flags; returns the window as (left, right) ints."""
+    check_dropout_p(dropout_p)
     if softmax_scale is not None and (not isinstance(softmax_scale, numbers.Real)
                                       or isinstance(softmax_scale, bool)):
         raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-    if not isinstance(causal, (bool, int)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
-        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    if any(w < -1 for w in window_size):
-        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {tuple(window_size)}")
+    check_flag(causal, "causal")
+    check_flag(deterministic, "deterministic")
+    check_flag(return_attn_probs, "return_attn_probs")
+    window = window_pair(window_size)
     if not isinstance(softcap, numbers.Real) or float(softcap) < 0.0:
         raise ValueError(f"softcap must be a number >= 0 (0 disables it), got {softcap!r}")
     if alibi_slopes is not None:
@@ -89,6 +139,7 @@ def check_options(*, dropout_p, softmax_scale, causal, window_size, softcap, ali
                              f"or ({batch}, {nheads}) (nheads,) or (batch, nheads)")
         if alibi_slopes.device != device:
             raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    return window
 
 
 def _check_index_tensor(t, name: str, length: int, device: torch.device, what: str) -> None:

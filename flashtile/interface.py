@@ -18,15 +18,17 @@ from . import checks, ops
 
 
 def _score_options(q: torch.Tensor, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   batch: Optional[int] = None) -> tuple:
-    """Check the options and fold them into the ops' arguments (one place for all entry points):
-    (alibi_slopes, dropout_seed, [softmax_scale, softcap, dropout_p], window_left, window_right).
-    q: (b, s, h, d) or (total, h, d); ``batch`` overrides b for packed batches."""
+                   batch: Optional[int] = None, *, deterministic=False, return_attn_probs=False) -> tuple:
+    """Check the options and flags and fold them into the ops' arguments (one place for all entry
+    points): (alibi_slopes, dropout_seed, [softmax_scale, softcap, dropout_p], window_left, window_right).
+    q: (b, s, h, d) or (total, h, d); ``batch`` overrides b for packed batches. window_size: any
+    pair of int-likes (checks.window_pair)."""
     nheads, head_dim = q.shape[-2], q.shape[-1]
     batch = q.shape[0] if batch is None else batch
-    checks.check_options(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         batch=batch, nheads=nheads, device=q.device)
+    window_left, window_right = checks.check_options(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, batch=batch, nheads=nheads, device=q.device, deterministic=deterministic,
+        return_attn_probs=return_attn_probs)
     dropout_seed = None
     if dropout_p > 0:
         # Drawn from the device's default generator outside the op (which stays a function of its
@@ -34,15 +36,16 @@ def _score_options(q: torch.Tensor, dropout_p, softmax_scale, causal, window_siz
         # reproducible, and no host sync is needed (the kernels read it on the device).
         dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    return (alibi_slopes, dropout_seed, [scale, float(softcap), float(dropout_p)], int(window_size[0]),
-            0 if causal else int(window_size[1]))
+    return (alibi_slopes, dropout_seed, [scale, float(softcap), float(dropout_p)], window_left,
+            0 if causal else window_right)
 
 
 def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
            return_attn_probs):
     """The dense entry points after their layout checks; k / v None mark packed layouts (ops.py)."""
     alibi_slopes, dropout_seed, floats, window_left, window_right = _score_options(
-        q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic=deterministic,
+        return_attn_probs=return_attn_probs)
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
     out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)
@@ -72,6 +75,7 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         softmax_scale: scale of q k^T; default 1 / sqrt(headdim).
         causal: mask aligned to the bottom-right corner (query i sees keys j <= i + seqlen_k - seqlen_q).
         window_size: (left, right) sliding window around i + seqlen_k - seqlen_q, inclusive; -1 = unbounded.
+            Any pair of int-likes: ints, numpy ints, one-element integer tensors, a 2-element tensor.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before masking and ALiBi.
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds -slope * |i + seqlen_k - seqlen_q - j|.
         deterministic: if True, the backward sums every gradient in a fixed order (bit-identical

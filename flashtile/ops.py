@@ -5,6 +5,7 @@ traces the public functions without graph breaks and AOT autograd sees their bac
     torch.ops.flashtile.varlen_fwd / varlen_bwd    packed (total, h, d) with cu_seqlens (or paged K/V)
     torch.ops.flashtile.attn_probs                 the O(N^2) probabilities (return_attn_probs)
     torch.ops.flashtile.kvcache_fwd                append to a kv cache in place, then attend
+    torch.ops.flashtile.paged_no_backward          the backward of a paged varlen forward: raises
 
 Each op is functional except kvcache_fwd (it writes k_cache and v_cache), has a fake
 implementation (shapes and dtypes only) and, for fwd and varlen_fwd, an autograd formula that
@@ -261,10 +262,28 @@ def _setup_varlen_fwd(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+PAGED_NO_BACKWARD = ("block_table (paged K/V) serves inference: there is no backward through a paged cache; "
+                     "run the forward under torch.no_grad(), or detach its output")
+
+
+@torch.library.custom_op("flashtile::paged_no_backward", mutates_args=())
+def paged_no_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor) -> List[Tensor]:
+    """The backward of a paged varlen forward: raises when it runs. An op rather than a raise in the
+    formula, so that AOT autograd can trace the backward of a compiled paged forward (the forward
+    then runs as in eager mode; only an actual backward fails)."""
+    raise RuntimeError(PAGED_NO_BACKWARD)
+
+
+@paged_no_backward.register_fake
+def _(dout, q, k, v):
+    return [torch.empty_like(t) for t in (q, k, v)]
+
+
 def _varlen_fwd_backward(ctx, dout, _dlse, backward=varlen_bwd):
-    if ctx.paged:
-        raise RuntimeError("block_table (paged K/V) serves inference: there is no backward through a paged cache")
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed = ctx.saved_tensors
+    if ctx.paged:
+        # Gradients for all three, so the op stays in a compiled backward whichever input needs one.
+        return (*paged_no_backward(dout, q, k, v),) + (None,) * 9
     grads = iter(backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed,
                           *ctx.options))
     return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * 9

@@ -21,12 +21,30 @@ def _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                               validate=False, block_table=block_table)
 
 
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                  block_table) -> None:
+    """flash_attn_varlen_func's tensor and layout checks (also flash_attn's private varlen forward).
+    A paged forward runs whether or not the inputs require grad (as in flash_attn); a backward
+    through it raises (ops.py)."""
+    paged = block_table is not None
+    checks.check_tensor(q, "q", 3)
+    for name, t in (("k", k), ("v", v)):
+        checks.check_tensor(t, name, 4 if paged else 3)
+    checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
+    if paged:
+        checks.check_qkv_shapes(q, k[0], v[0])  # heads and head dims; a page stands for the keys
+    else:
+        checks.check_qkv_shapes(q, k, v)
+    _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
+
+
 def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
             block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs):
     """The varlen entry points after their checks; k / v None mark packed layouts (ops.py)."""
     alibi_slopes, dropout_seed, floats, window_left, window_right = _score_options(
-        q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=cu_seqlens_q.shape[0] - 1)
+        q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=cu_seqlens_q.shape[0] - 1,
+        deterministic=deterministic, return_attn_probs=return_attn_probs)
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
     out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
@@ -63,24 +81,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table: optional int32 (batch, pages per sequence): k and v are then paged caches
             (num_pages, page_size, nheads_k, headdim), and key t of sequence b lives at page
             block_table[b, t // page_size], row t % page_size; cu_seqlens_k (or seqused_k) gives each
-            sequence's key count. Inference only (no backward through the cache), portable kernels.
+            sequence's key count. For inference, on the portable kernels: the forward runs on
+            inputs that require grad too, and a backward through it raises a RuntimeError.
     Returns:
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
-    paged = block_table is not None
-    checks.check_tensor(q, "q", 3)
-    for name, t in (("k", k), ("v", v)):
-        checks.check_tensor(t, name, 4 if paged else 3)
-    checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
-    if paged:
-        checks.check_qkv_shapes(q, k[0], v[0])  # heads and head dims; a page stands for the keys
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise ValueError("block_table (paged K/V) serves inference: there is no backward through a paged "
-                             "cache; call under torch.no_grad() or pass tensors that do not require grad")
-    else:
-        checks.check_qkv_shapes(q, k, v)
-    _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
     return _varlen(q, k, v, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs)

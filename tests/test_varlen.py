@@ -241,8 +241,11 @@ def test_paged_kv_is_inference_only():
     q, k, v = make_packed(lengths, lengths, NHEADS, 2, 32, DTYPES[0])
     k_pages, table = to_pages(k.detach(), lengths, 16)
     cu = cu_seqlens(lengths)
-    with pytest.raises(ValueError, match="block_table \\(paged K/V\\) serves inference"):
-        flash_attn_varlen_func(q, k_pages, k_pages, cu, cu, 9, 9, block_table=table)
+    # As in flash_attn, the forward runs on inputs that require grad; only a backward raises.
+    out = flash_attn_varlen_func(q, k_pages, k_pages, cu, cu, 9, 9, block_table=table)
+    assert out.requires_grad and torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match="block_table \\(paged K/V\\) serves inference"):
+        out.sum().backward()
     with pytest.raises(ValueError, match="block_table has shape \\(1, 1\\); expected \\(2, pages per sequence\\)"):
         with torch.no_grad():
             flash_attn_varlen_func(q, k_pages, k_pages, cu, cu, 9, 9, block_table=table[:1])

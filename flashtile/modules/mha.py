@@ -11,10 +11,12 @@ whatever wraps them (custom ops, torch.compile) applies here too.
 """
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .. import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
@@ -145,6 +147,23 @@ class FlashCrossAttention(_AttentionOptions):
         return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **options)
 
 
+# flash_attn MHA arguments that select parts of flash-attn's CUDA build; flashtile accepts them
+# (code written for flash-attn runs unchanged) and says once per process that they change nothing.
+_BUILD_FLAGS = {
+    "use_flash_attn": "attention always runs on flashtile's kernels, whatever its value",
+    "fused_bias_fc": "the projections are torch.nn.Linear (flash-attn's fused_dense CUDA extension is not part of "
+                     "flashtile)",
+}
+_warned_build_flags = set()
+
+
+def _warn_build_flag(name: str) -> None:
+    if name not in _warned_build_flags:
+        _warned_build_flags.add(name)
+        warnings.warn(f"MHA({name}=True) has no effect in flashtile: {_BUILD_FLAGS[name]}", UserWarning,
+                      stacklevel=3)
+
+
 class MHA(nn.Module):
     """Multi-head attention layer: x -> Wqkv -> (rotary) -> attention -> out_proj.
 
@@ -157,11 +176,19 @@ class MHA(nn.Module):
         dropout: attention dropout (on the probabilities, training mode only).
         softmax_scale: default 1 / sqrt(headdim). causal: bottom-right aligned causal mask.
         layer_idx: key of this layer's kv cache in InferenceParams.key_value_memory_dict.
+        dwconv: flash_attn's depthwise convolution after the projections: not implemented (True raises).
         rotary_emb_dim: channels per head rotated by RoPE (0: none); rotary_emb_base,
-            rotary_emb_interleaved: see :class:`RotaryEmbedding`. Self attention only.
+            rotary_emb_interleaved, rotary_emb_scale_base (xPos; None: plain RoPE): see
+            :class:`RotaryEmbedding`. Self attention only; xPos not while decoding.
         use_alibi: ALiBi biases with the paper's slopes (float32 buffer).
         window_size: (left, right) sliding window; -1 = unbounded.
+        fused_bias_fc, use_flash_attn: flash-attn build choices, accepted for its callers; they
+            change nothing here (a warning says so once, when one is True).
+        return_residual: forward returns (out, x), as flash_attn's MHA (for fused post-norm residuals).
+        checkpointing: recompute the attention in the backward instead of keeping its activations
+            (torch.utils.checkpoint, non-reentrant; dropout draws the same mask again).
         device, dtype: of the parameters.
+        The arguments and their order are flash_attn.modules.mha.MHA's (2.8).
 
     ``forward(x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, inference_params=None)``:
         x: (batch, seqlen, embed_dim), or packed (total, embed_dim) with cu_seqlens int32 (batch + 1,)
@@ -179,15 +206,26 @@ class MHA(nn.Module):
             every call is one flash_attn_with_kvcache: the new k, v are appended in place and q and
             the new k are rotated inside the call, at each sequence's cache length. Call under
             torch.no_grad().
-        Returns (batch, seqlen, embed_dim), or (total, embed_dim).
+        Returns (batch, seqlen, embed_dim), or (total, embed_dim); with return_residual, (that, x).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_heads_kv: Optional[int] = None, cross_attn: bool = False,
                  qkv_proj_bias: bool = True, out_proj_bias: bool = True, dropout: float = 0.0,
                  softmax_scale: Optional[float] = None, causal: bool = False, layer_idx: Optional[int] = None,
-                 rotary_emb_dim: int = 0, rotary_emb_base: float = 10000.0, rotary_emb_interleaved: bool = False,
-                 use_alibi: bool = False, window_size: Tuple[int, int] = (-1, -1), device=None, dtype=None):
+                 dwconv: bool = False, rotary_emb_dim: int = 0, rotary_emb_base: float = 10000.0,
+                 rotary_emb_scale_base: Optional[float] = None, rotary_emb_interleaved: bool = False,
+                 use_alibi: bool = False, window_size: Tuple[int, int] = (-1, -1), fused_bias_fc: bool = False,
+                 use_flash_attn: bool = False, return_residual: bool = False, checkpointing: bool = False,
+                 device=None, dtype=None):
         super().__init__()
+        if dwconv:
+            raise NotImplementedError("MHA(dwconv=True): flashtile does not implement flash_attn's depthwise "
+                                      "convolution of q, k, v")
+        for name, value in (("fused_bias_fc", fused_bias_fc), ("use_flash_attn", use_flash_attn)):
+            if value:
+                _warn_build_flag(name)
+        self.dwconv, self.use_flash_attn = False, bool(use_flash_attn)
+        self.return_residual, self.checkpointing = bool(return_residual), bool(checkpointing)
         factory = dict(device=device, dtype=dtype)
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
         if embed_dim % num_heads:
@@ -202,7 +240,8 @@ class MHA(nn.Module):
         self.softmax_scale, self.window_size = softmax_scale, tuple(window_size)
         self.rotary_emb_dim = rotary_emb_dim
         self.rotary_emb = (RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base, interleaved=rotary_emb_interleaved,
-                                           device=device) if rotary_emb_dim > 0 else None)
+                                           scale_base=rotary_emb_scale_base, device=device)
+                           if rotary_emb_dim > 0 else None)
         alibi = (torch.tensor(get_alibi_slopes(num_heads), dtype=torch.float32, device=device) if use_alibi
                  else None)
         kv_dim = 2 * num_heads_kv * self.head_dim
@@ -246,7 +285,21 @@ class MHA(nn.Module):
     def forward(self, x: torch.Tensor, x_kv: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
                 max_seqlen: Optional[int] = None, inference_params: Optional[InferenceParams] = None,
-                cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_k: Optional[int] = None) -> torch.Tensor:
+                cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_k: Optional[int] = None):
+        out = self._forward(x, x_kv, key_padding_mask, cu_seqlens, max_seqlen, inference_params, cu_seqlens_k,
+                            max_seqlen_k)
+        return (out, x) if self.return_residual else out
+
+    def _attention(self, module: nn.Module, *args, **kwargs) -> torch.Tensor:
+        """module(*args, **kwargs), recomputed in the backward under checkpointing (only what autograd
+        would keep is saved: the inputs, not out / lse). torch's RNG state is restored for the
+        recomputation, so dropout draws the same seed and mask."""
+        if self.checkpointing and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False, **kwargs)
+        return module(*args, **kwargs)
+
+    def _forward(self, x, x_kv, key_padding_mask, cu_seqlens, max_seqlen, inference_params, cu_seqlens_k,
+                 max_seqlen_k) -> torch.Tensor:
         if cu_seqlens is not None and (key_padding_mask is not None or max_seqlen is None):
             raise ValueError("cu_seqlens takes packed x with max_seqlen, and no key_padding_mask")
         if self.cross_attn:
@@ -282,13 +335,14 @@ class MHA(nn.Module):
             if self.rotary_emb is not None:
                 qkv = self.rotary_emb(qkv, **rotary)
             kv = qkv[..., 1:, :, :]
-            attend = lambda: self.inner_attn(qkv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)  # noqa: E731
+            attend = lambda: self._attention(self.inner_attn, qkv, cu_seqlens=cu_seqlens,  # noqa: E731
+                                             max_seqlen=max_seqlen)
         else:
             q, kv = qkv[..., :h, :], qkv[..., h:, :].unflatten(-2, (2, hk))
             if self.rotary_emb is not None:
                 q, kv = self.rotary_emb(q, kv, **rotary)
-            attend = lambda: self.inner_cross_attn(q, kv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,  # noqa: E731
-                                                   cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
+            attend = lambda: self._attention(self.inner_cross_attn, q, kv, cu_seqlens=cu_seqlens,  # noqa: E731
+                                             max_seqlen=max_seqlen, cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
         if inference_params is not None:
             self._prefill_cache(kv, inference_params, cu_seqlens, seq_pos)
         return self.out_proj(attend().flatten(-2))
@@ -318,6 +372,10 @@ class MHA(nn.Module):
         else:
             cache_seqlens = inference_params.seqlen_offset
         cos = sin = None
+        if self.rotary_emb is not None and self.rotary_emb.scale_base is not None:
+            # The kv-cache kernel rotates q and k with one pair of tables; xPos scales them apart
+            # (flash_attn's fused decoding path refuses xPos too).
+            raise NotImplementedError("decoding from a kv cache with xPos (rotary_emb_scale_base) is not supported")
         if self.rotary_emb is not None:
             # The kernel rotates q and the new k at each sequence's cache length.
             cos, sin = self.rotary_emb.cos_sin(inference_params.max_seqlen, x.device)
@@ -336,22 +394,23 @@ class MHA(nn.Module):
             if cu_seqlens_k is None or max_seqlen_k is None:
                 raise ValueError("packed cross attention needs cu_seqlens_k and max_seqlen_k for x_kv")
             kv = self.Wkv(x_kv).unflatten(-1, (2, hk, d))
-            out = self.inner_cross_attn(q, kv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+            out = self._attention(self.inner_cross_attn, q, kv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
             return self.out_proj(out.flatten(-2))
         if key_padding_mask is None:
             kv = self.Wkv(x_kv).unflatten(-1, (2, hk, d))
-            return self.out_proj(self.inner_cross_attn(q, kv).flatten(-2))
+            return self.out_proj(self._attention(self.inner_cross_attn, q, kv).flatten(-2))
         # Padded keys: pack the real ones; every query sequence keeps its seqlen_q rows.
         batch, seqlen_q = x.shape[:2]
         x_kv_packed, _, cu_k, max_k, _ = unpad_input(x_kv, key_padding_mask)
         kv = self.Wkv(x_kv_packed).unflatten(-1, (2, hk, d))
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=x.device) * seqlen_q
-        out = self.inner_cross_attn(q.flatten(0, 1), kv, cu_seqlens=cu_q, max_seqlen=seqlen_q, cu_seqlens_k=cu_k,
-                                    max_seqlen_k=max_k)
+        out = self._attention(self.inner_cross_attn, q.flatten(0, 1), kv, cu_seqlens=cu_q, max_seqlen=seqlen_q,
+                              cu_seqlens_k=cu_k, max_seqlen_k=max_k)
         return self.out_proj(out.flatten(-2)).unflatten(0, (batch, seqlen_q))
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_heads_kv={self.num_heads_kv}, "
                 f"cross_attn={self.cross_attn}, causal={self.causal}, window_size={self.window_size}, "
-                f"layer_idx={self.layer_idx}")
+                f"layer_idx={self.layer_idx}" + (", return_residual=True" if self.return_residual else "")
+                + (", checkpointing=True" if self.checkpointing else ""))

@@ -52,6 +52,51 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
+def apply_rotary_emb_func(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                          inplace: bool = False, seqlen_offsets: Union[int, torch.Tensor] = 0,
+                          cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
+    """:func:`apply_rotary_emb` with the signature of flash_attn.layers.rotary.apply_rotary_emb
+    (which flash_attn also names apply_rotary_emb_func): positions from sequence offsets.
+
+    x: (batch, seqlen, nheads, headdim), or packed (total, nheads, headdim) with cu_seqlens
+    (batch + 1,) int32 and max_seqlen. cos, sin: (seqlen_ro, rotary_dim / 2). seqlen_offsets: int,
+    or a (batch,) integer tensor: row t of sequence b is at position seqlen_offsets[b] + t. As in
+    flash_attn, an int offset must keep every position inside the tables, and positions a tensor
+    offset puts past them are left unrotated. inplace: write the result into x and return x.
+    Differentiable; computed in float32 and returned in x's dtype.
+    """
+    if cos.dim() != 2 or tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"cos and sin must both have shape (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if 2 * cos.shape[1] > x.shape[-1]:
+        raise ValueError(f"rotary_dim = 2 * cos.shape[1] = {2 * cos.shape[1]} exceeds the head dim {x.shape[-1]}")
+    seqlen_ro = cos.shape[0]
+    if cu_seqlens is None:
+        if x.dim() != 4:
+            raise ValueError(f"x must be (batch, seqlen, nheads, headdim) without cu_seqlens, got {tuple(x.shape)}")
+        batch, seqlen = x.shape[:2]
+        seq, row = None, torch.arange(seqlen, device=x.device).expand(batch, seqlen)
+    else:
+        if x.dim() != 3 or max_seqlen is None:
+            raise ValueError("with cu_seqlens, x must be packed (total, nheads, headdim) and max_seqlen given")
+        seqlen = int(max_seqlen)
+        seq, row = packed_token_index(cu_seqlens, x.shape[0])
+    if isinstance(seqlen_offsets, torch.Tensor):
+        offsets = seqlen_offsets.to(device=x.device, dtype=torch.long)
+        positions = row + (offsets[:, None] if seq is None else offsets[seq])
+        # Past the tables: cos 1, sin 0 (flash_attn's kernel reads them masked that way).
+        cos = torch.cat([cos, cos.new_ones((1, cos.shape[1]))])
+        sin = torch.cat([sin, sin.new_zeros((1, sin.shape[1]))])
+        positions = positions.clamp(max=seqlen_ro)
+    else:
+        if int(seqlen_offsets) + seqlen > seqlen_ro:
+            raise ValueError(f"seqlen_offsets {int(seqlen_offsets)} + seqlen {seqlen} exceeds the {seqlen_ro} "
+                             "positions of cos and sin")
+        positions = row + int(seqlen_offsets)
+    out = apply_rotary_emb(x, cos, sin, positions, interleaved)
+    return x.copy_(out) if inplace else out
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Rotary embedding with cached float32 cos/sin tables.
 
@@ -59,6 +104,12 @@ class RotaryEmbedding(torch.nn.Module):
         dim: rotary channels per head (even, <= headdim).
         base: frequency base; channel pair i turns by position * base ** (-2i / dim).
         interleaved: rotate pairs (0, 1), (2, 3), ... (True) or halves (False, GPT-NeoX).
+        scale_base: None, or xPos (Sun et al., 2022) as flash_attn's RotaryEmbedding has it:
+            rotary channel pair i of q at position p is also scaled by
+            ((2i + 0.4 dim) / (1.4 dim)) ** ((p - L // 2) / scale_base), and of k by its inverse, so
+            scores decay with distance. L is the table length flash_attn would hold: the longest
+            position bound seen so far (rebuilt on a new device), which centres the scales;
+            scores do not depend on it. Not supported while decoding from a kv cache.
         device: where to build the first tables (they follow the inputs afterwards).
 
     ``forward(qkv, kv=None, seqlen_offset=0, positions=None, max_seqlen=None)``:
@@ -71,11 +122,16 @@ class RotaryEmbedding(torch.nn.Module):
         device; needed only with tensor offsets or explicit positions, else one host sync).
     """
 
-    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, device=None):
+    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False,
+                 scale_base: Optional[float] = None, device=None):
         super().__init__()
         if dim <= 0 or dim % 2:
             raise ValueError(f"rotary dim must be a positive even number, got {dim}")
+        if scale_base is not None and not (isinstance(scale_base, (int, float)) and scale_base > 0):
+            raise ValueError(f"scale_base must be None or a number > 0 (xPos), got {scale_base!r}")
         self.dim, self.base, self.interleaved = int(dim), float(base), bool(interleaved)
+        self.scale_base = None if scale_base is None else float(scale_base)
+        self._xpos: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (q, k) scales (L, dim / 2)
         # Plain attributes, not buffers: module.to(bfloat16) must not round the tables (positions
         # in the thousands need float32 angles), and they are rebuilt on demand anyway.
         self._cos: Optional[torch.Tensor] = None
@@ -95,6 +151,19 @@ class RotaryEmbedding(torch.nn.Module):
             angles = torch.arange(length, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
             self._cos, self._sin = angles.cos().float(), angles.sin().float()
         return self._cos, self._sin
+
+    def xpos_scales(self, seqlen: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """xPos scales (L, dim / 2) float32 for q and for k (its inverse), L >= seqlen as flash_attn's
+        cache length: grown to seqlen when that is longer, rebuilt on a new device."""
+        device = torch.device(device)
+        if self._xpos is None or self._xpos[0].shape[0] < seqlen or self._xpos[0].device != device:
+            length = int(seqlen)
+            pairs = torch.arange(0, self.dim, 2, device=device, dtype=torch.float64)
+            channel = (pairs + 0.4 * self.dim) / (1.4 * self.dim)
+            power = (torch.arange(length, device=device, dtype=torch.float64) - length // 2) / self.scale_base
+            scale = channel[None, :] ** power[:, None]
+            self._xpos = (scale.float(), (1.0 / scale).float())
+        return self._xpos
 
     def _positions(self, shape, device, seqlen_offset: Union[int, torch.Tensor]) -> torch.Tensor:
         batch, seqlen = shape
@@ -117,14 +186,22 @@ class RotaryEmbedding(torch.nn.Module):
                 max_seqlen = int(seqlen_offset) + q.shape[1]
         if max_seqlen is None:  # the table length from the device: one host sync
             max_seqlen = int(positions.max().item()) + 1 if positions.numel() else 1
-        cos, sin = self.cos_sin(max_seqlen, q.device)
+        if self.scale_base is None:
+            cos, sin = self.cos_sin(max_seqlen, q.device)
+            cos_k, sin_k = cos, sin
+        else:
+            scale_q, scale_k = self.xpos_scales(max_seqlen, q.device)
+            length = scale_q.shape[0]  # >= max_seqlen
+            cos, sin = (t[:length] for t in self.cos_sin(length, q.device))
+            cos, sin, cos_k, sin_k = cos * scale_q, sin * scale_q, cos * scale_k, sin * scale_k
         if kv is None:
             q_rot = apply_rotary_emb(qkv[..., 0, :, :], cos, sin, positions, self.interleaved)
-            k_rot = apply_rotary_emb(qkv[..., 1, :, :], cos, sin, positions, self.interleaved)
+            k_rot = apply_rotary_emb(qkv[..., 1, :, :], cos_k, sin_k, positions, self.interleaved)
             return torch.stack([q_rot, k_rot, qkv[..., 2, :, :]], dim=-3)
         q_rot = apply_rotary_emb(qkv, cos, sin, positions, self.interleaved)
-        k_rot = apply_rotary_emb(kv[..., 0, :, :], cos, sin, positions, self.interleaved)
+        k_rot = apply_rotary_emb(kv[..., 0, :, :], cos_k, sin_k, positions, self.interleaved)
         return q_rot, torch.stack([k_rot, kv[..., 1, :, :]], dim=-3)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}"
+        xpos = "" if self.scale_base is None else f", scale_base={self.scale_base}"
+        return f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}{xpos}"

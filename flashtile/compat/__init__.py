@@ -1,0 +1,9 @@
+"""Compatibility layers for code written against other attention libraries.
+
+:func:`install_as_flash_attn` registers flashtile under flash_attn's module names (flash_attn.py);
+nothing is registered until it is called.
+"""
+
+from .flash_attn import FlashAttnAlias, install_as_flash_attn, uninstall_as_flash_attn
+
+__all__ = ["FlashAttnAlias", "install_as_flash_attn", "uninstall_as_flash_attn"]
