@@ -52,18 +52,16 @@ def captured_call(build):
 
 
 def compile_sm90(args, kwargs, kernel=None) -> dict:
-    """Compile kernel (default: the Gluon forward) for sm90 with these call arguments."""
+    """Compile kernel (default: the Gluon forward) for sm90 with these call arguments: registers and
+    spills from ptxas' report of Triton's own build (its flags), SASS from its cubin."""
     kernel = kernel or gf.gluon_attn_fwd_kernel
-    compiled = compile_for_target(kernel, args, kwargs, TARGET)
-    ptxas = ptxas_path(90)
+    compiled, log = compile_for_target(kernel, args, kwargs, TARGET, ptxas_log=True)
     with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                             capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas_path(90)), "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     # The PTX without debug info (.loc lines, scope labels, DWARF sections): ptxas is not always
     # deterministic (the d256 backward's SASS differs run to run), so equal code is best judged here.

@@ -22,7 +22,9 @@ descriptors, the compiled-kernel launch that plans replay, and compiling a kerne
 without a GPU (the compile checks).
 """
 
+import contextlib
 import functools
+import io
 import re
 from typing import Optional
 
@@ -149,10 +151,14 @@ def launch_compiled(kernel, grid: tuple, args: list) -> None:
     kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *args)
 
 
-def compile_for_target(kernel, args: tuple, kwargs: dict, target):
+def compile_for_target(kernel, args: tuple, kwargs: dict, target, ptxas_log: bool = False):
     """Compile a @triton.jit or @gluon.jit ``kernel`` as a launch with these arguments would, for
     ``target`` (a triton.backends.compiler.GPUTarget), without a GPU: the compile checks and
-    ``flashtile`` tools use it to read registers, spills, PTX and SASS on any machine."""
+    ``flashtile`` tools use it to read registers, spills, PTX and SASS on any machine.
+
+    ``ptxas_log``: compile afresh (not from Triton's cache) and also return ptxas' ``-v`` report of
+    this very build, made with the flags this Triton passes (3.7 on add ``--regAllocOptLevel=2``):
+    ``(compiled, log)``."""
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -164,7 +170,15 @@ def compile_for_target(kernel, args: tuple, kwargs: dict, target):
     source_type = ASTSource
     if getattr(kernel, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as source_type
-    return triton.compile(source_type(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = source_type(kernel, signature, constexprs, attrs)
+    if not ptxas_log:
+        return triton.compile(source, target=target, options=options.__dict__)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas' report to stdout
+        knobs.compilation.always_compile = True
+        compiled = triton.compile(source, target=target, options=options.__dict__)
+    return compiled, log.getvalue()
 
 
 def ptxas_path(arch: int = 90) -> str:
