@@ -171,7 +171,7 @@ def test_compiled_call_binds_once_then_replays_in_signature_order(monkeypatch):
                               slots=("a_ptr", "b_ptr"))
     assert call("A1", "B1") is jit.kernel
     assert jit.bound == [((3, 2, 1), dict(a_ptr="A1", b_ptr="B1", n=10, scale=0.5, flag=None, BLOCK=32, EVEN=True,
-                                          num_warps=4))]
+                                          **triton_compat.LAUNCH_OPTIONS, num_warps=4))]
     call("A2", "B2")
     assert len(jit.bound) == 1  # not bound again
     (launch_args,) = jit.kernel.launches
