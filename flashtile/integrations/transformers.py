@@ -8,7 +8,7 @@
 
 Works with models that call attention through transformers' ``AttentionInterface`` (Llama, Mistral,
 Qwen2/3, Gemma2/3, ...), in training and in ``generate`` with a DynamicCache (or a StaticCache).
-Tested against transformers 5.23 (the version pinned in flashtile's ``hf`` extra).
+Tested against transformers 5.23 and 5.24 (the range of flashtile's ``hf`` extra).
 
 What the attention function receives, and what it calls (q, k, v are the model's (batch, heads, seq,
 dim) tensors, handed to flashtile as (batch, seq, heads, dim) views without copies; GQA/MQA key and
@@ -53,7 +53,7 @@ __all__ = ["register", "flashtile_attention_forward", "flashtile_attention_mask"
 DEFAULT_NAME = "flashtile"
 
 # transformers releases whose integration points this module has been checked against.
-TESTED_TRANSFORMERS = "5.23.0"
+TESTED_TRANSFORMERS = "5.23 to 5.24"
 
 
 # --------------------------------------------------------------------------------------------
