@@ -68,7 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..triton_compat import barrier, reinterpret, tma_load, tma_reduce_add, tma_store
+from ..triton_compat import VERSION, barrier, reinterpret, tma_load, tma_reduce_add, tma_store
 from .hopper import (HEAD_DIMS, DescriptorTemplate, RowDescriptorTemplate, multiprocessors,  # noqa: F401
                      qkv_supported, tma_aligned)
 from .plans import CompiledCall
@@ -84,6 +84,12 @@ BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS
 _KPC = gl.constexpr(KEYS_PER_CONSUMER)
 _NC = gl.constexpr(NUM_CONSUMERS)
 _BN = gl.constexpr(BLOCK_N)
+# Triton 3.9 builds the K, V tiles' wgmma descriptors in a form that ptxas keeps live across the
+# query-block loop instead of recomputing (d128: 548 / 1396 bytes of spills where 3.6 has 116 / 92):
+# from 3.9 on, every kernel indexes them with _opaque_zero, as the persistent ones always do
+# (132 / 352 bytes; timed in bench/results/2026-11-27-h100-triton-versions/). Earlier releases keep
+# constant indices, which are faster there.
+_OPAQUE_KV = gl.constexpr(VERSION >= (3, 9))
 
 
 # The tuned choice per head dim is in flashtile/configs.py (BWD_GLUON). d256 has its own kernel
@@ -415,7 +421,8 @@ def _opaque_zero(it):
     preheader, which an empty loop skips (bench/results/2026-11-22-h200-persistent-bwd/), and
     descriptors held across a loop cost registers. The persistent d64 kernel spills 0 / 16 bytes
     (full / causal) instead of 16 / 92, the d256 one none instead of 412 / 344. (At d128 it cut
-    the spills from 116 / 268 bytes to 16 / 16 but ran 0-3% slower: not used there.)"""
+    the spills from 116 / 268 bytes to 16 / 16 but ran slower on 3.6: used there from Triton 3.9
+    only, see _OPAQUE_KV.)"""
     return it >> 30
 
 
@@ -585,23 +592,23 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
             it, dk, dv, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV)
 
     if it > it0:
         # dQ of the last query block.
         prev = it - 1
         mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
-        if PERSISTENT:
+        if PERSISTENT or _OPAQUE_KV:
             zero = _opaque_zero(it)
         else:
             zero = 0
