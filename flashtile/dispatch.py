@@ -98,7 +98,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     # 0 there, so that no seed is drawn: explaining must not advance the caller's random state.
     checks.check_options(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                          softcap=softcap, alibi_slopes=alibi_slopes, batch=batch, nheads=q.shape[-2],
-                         device=q.device)
+                         device=q.device, deterministic=deterministic)
+    deterministic = bool(deterministic)  # checked there, as the call checks it (bools, numpy bools, 0 / 1)
     alibi_slopes, _, floats, window_left, window_right = _score_options(
         q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=batch)
     floats[2] = float(dropout_p)

@@ -195,11 +195,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
         raise ValueError("flash_attn_with_kvcache serves inference: call it under torch.no_grad() or pass "
                          "tensors that do not require grad")
-    alibi_slopes, _, (softmax_scale, softcap, _), _, _ = _score_options(q, 0.0, softmax_scale, causal, window_size,
-                                                                         softcap, alibi_slopes)
+    # The window as two ints, read by the one parser of every entry point (any pair of int-likes). The
+    # kernel's ints keep causal apart from the window (causal single-query decoding has its own path).
+    window_left, window_right = checks.window_pair(window_size)
+    alibi_slopes, _, (softmax_scale, softcap, _), _, _ = _score_options(
+        q, 0.0, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=q.device)
-    ints = [int(bool(causal)), int(window_size[0]), int(window_size[1]), int(bool(rotary_interleaved)), num_splits]
+    ints = [int(bool(causal)), window_left, window_right, int(bool(rotary_interleaved)), num_splits]
     extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes]
     out, lse = ops.kvcache_attention_call(q, k_cache, v_cache, k, v, cache_seqlens, extras, [softmax_scale, softcap],
                                           ints)

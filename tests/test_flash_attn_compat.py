@@ -7,6 +7,7 @@ layers/rotary.py, modules/mha.py)."""
 import functools
 import importlib
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import inspect
 import sys
@@ -136,6 +137,42 @@ def test_refuses_to_shadow_an_installed_flash_attn(monkeypatch):
     with install_as_flash_attn(force=True):
         assert sys.modules["flash_attn"].__version__.startswith("2.8.3+flashtile")
     assert set(sys.modules) == before
+
+
+def test_distribution_metadata_while_installed():
+    # transformers and others ask importlib.metadata for flash_attn's version.
+    before = list(sys.meta_path)
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("flash_attn")
+    with install_as_flash_attn():
+        for name in ("flash_attn", "flash-attn", "Flash.Attn"):
+            assert importlib.metadata.version(name) == alias_module.VERSION == sys.modules["flash_attn"].__version__
+        assert importlib.metadata.metadata("flash_attn")["Name"] == "flash_attn"
+        assert "flash_attn" in importlib.metadata.packages_distributions()["flash_attn"]
+        assert [d.version for d in importlib.metadata.distributions() if d.metadata["Name"] == "flash_attn"] == [
+            alias_module.VERSION]
+        assert not list(importlib.metadata.distributions(name="flash_attn", path=[]))  # not on any path
+        assert install_as_flash_attn() is alias_module._active  # installing twice adds no second finder
+        assert len(sys.meta_path) == len(before) + 1
+    assert sys.meta_path == before
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("flash-attn")
+
+
+def test_distribution_metadata_of_a_real_flash_attn_is_kept_unless_forced(tmp_path, monkeypatch):
+    # A flash-attn distribution whose module importlib cannot find (so install needs no force): its
+    # metadata stays what importlib.metadata reports unless force=True.
+    info = tmp_path / "flash_attn-2.7.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash_attn\nVersion: 2.7.4\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = list(sys.meta_path)
+    assert importlib.metadata.version("flash_attn") == "2.7.4"
+    with install_as_flash_attn():
+        assert importlib.metadata.version("flash_attn") == "2.7.4" and sys.meta_path == before
+    with install_as_flash_attn(force=True):
+        assert importlib.metadata.version("flash-attn") == alias_module.VERSION
+    assert importlib.metadata.version("flash_attn") == "2.7.4" and sys.meta_path == before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +331,7 @@ def test_private_varlen_matches_public_and_reference():
     delta = (dout.float() * out.float()).sum(-1).t()
     torch.testing.assert_close(softmax_d[:, 0:5], delta[:, 0:5])
     torch.testing.assert_close(softmax_d[:, 5 + 256:5 + 256 + 11], delta[:, 5:16])
-    assert softmax_d.abs().sum() == pytest.approx(delta.abs().sum().item(), rel=1e-5)
+    assert softmax_d.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-5)
     with pytest.raises(NotImplementedError, match="leftpad_k"):
         _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 11, 9, 0.0, None, False,
                                    leftpad_k=torch.zeros(3, dtype=torch.int32, device=DEVICE))
@@ -324,6 +361,27 @@ def test_window_size_int_likes():
                                                       window_size=torch.tensor([3, 2])), expected[0])
     out = flash_attn_with_kvcache(q, k, v, cache_seqlens=20, window_size=torch.tensor([3, 2]))
     torch.testing.assert_close(out, expected)
+
+
+def test_kvcache_window_size_int_likes():
+    # flash_attn_with_kvcache reads the window through checks.window_pair, like every entry point: a
+    # (1, 2) tensor, whose window_size[0] is not one int, is read as (3, 2) too.
+    q, k, v = make_qkv(2, 3, 24, 4, 2, 16, torch.float32, requires_grad=False)
+    seqlens = torch.tensor([24, 17], dtype=torch.int32, device=DEVICE)
+    for causal in (False, True):
+        expected = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal, window_size=(3, 2))
+        for window in ([3, 2], (np.int64(3), np.int32(2)), (torch.tensor(3), torch.tensor([2])), torch.tensor([3, 2]),
+                       torch.tensor([[3, 2]], dtype=torch.int32), np.array([3, 2])):
+            out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal, window_size=window)
+            assert torch.equal(out, expected), (causal, repr(window))
+    unbounded = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
+    assert torch.equal(flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, window_size=torch.tensor([-1, -1])),
+                       unbounded)
+    for bad in (torch.tensor([1.5, 2.0]), torch.tensor([1, 2, 3]), (True, 0), (2, 1.0), 3):
+        with pytest.raises(ValueError, match="window_size must be a pair of ints"):
+            flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, window_size=bad)
+    with pytest.raises(ValueError, match="window_size entries must be >= 0, or -1"):
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, window_size=(-2, 0))
 
 
 def test_paged_varlen_forward_with_grad_and_backward_raises():
@@ -363,6 +421,21 @@ def test_flag_types():
                              -1, -1, 0.0, None, "no")
     with pytest.raises(TypeError, match="zero_tensors must be a bool"):
         _flash_attn_varlen_forward(q[0], k[0], v[0], cu, cu, 8, 8, 0.0, None, False, zero_tensors="no")
+
+
+def test_explain_checks_deterministic_like_the_call():
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, requires_grad=False)
+    for bad, exc, match in (("yes", TypeError, "deterministic must be a bool, got str 'yes'"),
+                            (None, TypeError, "deterministic must be a bool, got NoneType"),
+                            (2, ValueError, "deterministic must be a bool \\(True / False, or 0 / 1\\), got 2")):
+        with pytest.raises(exc, match=match):
+            flash_attn_func(q, k, v, deterministic=bad)
+        with pytest.raises(exc, match=match):
+            flashtile.explain(q, k, v, deterministic=bad)
+    for capability in (None, (9, 0)):
+        expected = str(flashtile.explain(q, k, v, deterministic=True, device_capability=capability))
+        for flag in (1, np.bool_(True)):
+            assert str(flashtile.explain(q, k, v, deterministic=flag, device_capability=capability)) == expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,11 @@ Registered (in sys.modules, and as attributes of their parents):
     flash_attn.layers.rotary          apply_rotary_emb (flash_attn's signature), RotaryEmbedding
     flash_attn.modules.mha            MHA, FlashSelfAttention, FlashCrossAttention, get_alibi_slopes
 
+While installed, flash_attn's distribution metadata answers too: importlib.metadata.version("flash_attn")
+(or "flash-attn"; transformers and others ask it) gives the same VERSION, from a finder at the front of
+sys.meta_path that uninstall removes. Where a real flash-attn distribution is installed, its metadata is
+left as it is unless force=True.
+
 Opt-in: importing flashtile registers nothing. A real flash-attn (one importlib can find) is never
 shadowed unless force=True. Other flash_attn submodules (ops, utils, ...) are not provided: importing
 them raises ModuleNotFoundError. The module objects are built on install, so importing flashtile
@@ -22,10 +27,13 @@ does not import flashtile.modules.
 """
 
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import pathlib
+import re
 import sys
 import types
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 from .._version import __version__ as _flashtile_version
 
@@ -39,9 +47,11 @@ class FlashAttnAlias:
     """What :func:`install_as_flash_attn` registered. ``uninstall()`` (or the end of a ``with``
     block) removes exactly those entries of sys.modules and puts back any it replaced (force=True)."""
 
-    def __init__(self, modules: Dict[str, types.ModuleType], replaced: Dict[str, types.ModuleType]):
+    def __init__(self, modules: Dict[str, types.ModuleType], replaced: Dict[str, types.ModuleType],
+                 metadata_finder: Optional["_MetadataFinder"] = None):
         self.modules = modules
         self._replaced = replaced
+        self._metadata_finder = metadata_finder  # in sys.meta_path while installed, or None
         self.installed = True
 
     def uninstall(self) -> bool:
@@ -54,6 +64,8 @@ class FlashAttnAlias:
                 del sys.modules[name]
         for name, module in self._replaced.items():
             sys.modules.setdefault(name, module)
+        if self._metadata_finder is not None:
+            sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self._metadata_finder]
         self.installed = False
         if _active is self:
             _active = None
@@ -70,6 +82,55 @@ class FlashAttnAlias:
 
 
 _active: Optional[FlashAttnAlias] = None
+
+_DIST_NAME = "flash_attn"  # as flash-attn's wheels spell it in their METADATA
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503: flash_attn, flash-attn, Flash.Attn are one name
+
+
+class _AliasDistribution(importlib.metadata.Distribution):
+    """flash_attn's distribution metadata while the alias is installed: Name flash_attn, Version VERSION.
+    It lists no files (no RECORD): the modules live in memory."""
+
+    def read_text(self, filename) -> Optional[str]:
+        if filename in ("METADATA", "PKG-INFO"):
+            return (f"Metadata-Version: 2.1\nName: {_DIST_NAME}\nVersion: {VERSION}\n"
+                    f"Summary: flashtile {_flashtile_version} registered under the flash_attn module names by "
+                    "flashtile.install_as_flash_attn()\n")
+        if filename == "top_level.txt":
+            return "flash_attn\n"  # importlib.metadata.packages_distributions() maps flash_attn to this
+        return None
+
+    def locate_file(self, path) -> pathlib.Path:
+        return pathlib.Path(__file__).resolve().parents[2] / path  # beside the flashtile package
+
+
+class _MetadataFinder(importlib.metadata.DistributionFinder):
+    """Answers importlib.metadata's questions about flash_attn (finds no modules: the alias's are in
+    sys.modules already). A search of given paths (``distributions(path=[...])``) does not see it."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return None
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()) -> Iterator:
+        if "path" in vars(context):
+            return
+        name = getattr(context, "name", None)
+        if name is None or _canonical(name) == _canonical(_DIST_NAME):
+            yield _AliasDistribution()
+
+
+def _real_flash_attn_distribution() -> Optional[str]:
+    """Name and version of an installed flash-attn distribution that is not this alias, or None."""
+    try:
+        for dist in importlib.metadata.distributions(name=_DIST_NAME):
+            if not isinstance(dist, _AliasDistribution):
+                return f"{dist.metadata['Name']} {dist.version}"
+    except Exception:  # an unreadable metadata directory: nothing to defer to
+        return None
+    return None
 
 
 def _real_flash_attn() -> Optional[str]:
@@ -94,7 +155,9 @@ def install_as_flash_attn(force: bool = False) -> FlashAttnAlias:
 
     Raises RuntimeError if a real flash-attn is installed (importlib finds it) or already imported,
     unless ``force=True``: then flashtile replaces it in sys.modules until uninstalled (code that
-    already holds references to the real modules keeps them).
+    already holds references to the real modules keeps them). ``importlib.metadata.version("flash_attn")``
+    gives :data:`VERSION` while installed, except where a real flash-attn distribution is installed
+    and force is False (its metadata then stays visible).
     """
     global _active
     from ..checks import check_flag
@@ -111,8 +174,12 @@ def install_as_flash_attn(force: bool = False) -> FlashAttnAlias:
         _active.uninstall()  # a stale handle (its flash_attn was replaced since): start afresh
     modules = _build_modules()
     replaced = {name: sys.modules[name] for name in modules if name in sys.modules}
+    # Metadata too, unless that would hide a real flash-attn's that force did not ask to replace.
+    finder = _MetadataFinder() if force or _real_flash_attn_distribution() is None else None
     sys.modules.update(modules)
-    _active = FlashAttnAlias(modules, replaced)
+    if finder is not None:
+        sys.meta_path.insert(0, finder)
+    _active = FlashAttnAlias(modules, replaced, finder)
     return _active
 
 
