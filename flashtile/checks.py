@@ -40,7 +40,7 @@ def check_same_dtype_and_device(tensors: dict) -> None:
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device} but {names[0]} is on {first.device}: "
                              f"{', '.join(names)} must be on one device")
-    check_device_supported(first.device, names[0])
+    check_device_supported(first.device, names[0], first.dtype)
 
 
 def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:

@@ -15,14 +15,19 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_device_supported(device: torch.device, arg_name: str = "q") -> None:
-    """Raise unless the kernels can run on ``device``."""
+def check_device_supported(device: torch.device, arg_name: str = "q", dtype=None) -> None:
+    """Raise unless the kernels can run on ``device`` (with inputs of ``dtype``, where given)."""
     if device.type == "cuda":
         return
     if device.type == "cpu" and interpreter_enabled():
         problem = interpreter_problem()
         if problem is not None:
             raise RuntimeError(problem)
+        if dtype == torch.bfloat16:
+            # Triton's interpreter (3.6 to 3.9) multiplies bfloat16 tiles as raw bits: the results
+            # would be garbage, not an error.
+            raise ValueError(f"{arg_name} is bfloat16 on the CPU: Triton's interpreter (TRITON_INTERPRET=1) "
+                             "computes bfloat16 products wrongly; use float16 or float32 there, or a CUDA device")
         return
     if device.type == "cpu":
         raise ValueError(

@@ -93,7 +93,7 @@ def test_env_json_explains_a_shape():
 
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors run (through the interpreter) only on machines without CUDA")
 def test_explain_cpu_tensors_run_portable():
-    explanation = flashtile.explain(*_dense(), causal=True)
+    explanation = flashtile.explain(*_dense(torch.float16), causal=True)
     for choice in (explanation.forward, explanation.backward):
         assert choice.path == "portable" and "not a CUDA tensor" in choice.reason
     assert explanation.forward.kernel == "attn_fwd_kernel"
@@ -192,7 +192,7 @@ def test_explain_checks_arguments_like_the_call():
 
 
 def test_explain_draws_no_dropout_seed():
-    q, k, v = (t.to(DEVICE) for t in _dense())
+    q, k, v = (t.to(DEVICE) for t in _dense(torch.float16))
     state = torch.get_rng_state()
     cuda_state = torch.cuda.get_rng_state() if ON_GPU else None
     flashtile.explain(q, k, v, dropout_p=0.1)

@@ -68,6 +68,12 @@ def test_cpu_without_interpreter(monkeypatch):
     _raises(ValueError, "q is on the CPU", flash_attn_func, q, k, v)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU interpreter's limit")
+def test_bfloat16_on_the_interpreter():
+    q, k, v = (torch.randn(1, 4, 1, 16, dtype=torch.bfloat16) for _ in range(3))
+    _raises(ValueError, "q is bfloat16 on the CPU: Triton's interpreter", flash_attn_func, q, k, v)
+
+
 @pytest.mark.parametrize("dropout_p", [-0.1, 1.0, 1.5, "0.1"])
 def test_bad_dropout(dropout_p):
     _raises(ValueError, "dropout_p must be a number in \\[0, 1\\)", flash_attn_func, *_qkv(), dropout_p=dropout_p)
