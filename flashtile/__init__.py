@@ -1,6 +1,6 @@
 """flashtile: exact FlashAttention in Triton, behind the flash_attn API."""
 
-from .compat import install_as_flash_attn, uninstall_as_flash_attn
+from .compat import install_as_flash_attn, register_sdpa, uninstall_as_flash_attn
 from .dispatch import Explanation, PathChoice, explain
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .kvcache import flash_attn_with_kvcache
@@ -23,6 +23,7 @@ __all__ = [
     "index_first_axis",
     "install_as_flash_attn",
     "pad_input",
+    "register_sdpa",
     "uninstall_as_flash_attn",
     "unpad_input",
 ]
