@@ -11,6 +11,9 @@ import torch
 
 from .reference import attention_naive
 
+# The call options the references take (the rest, e.g. deterministic, do not change the result).
+REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "dropout_p")
+
 # Floor on the allowed error per dtype, for cases where PyTorch's own error is tiny.
 EPSILON = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
 
@@ -58,6 +61,32 @@ def reference_errors(q, k, v, out, dout=None, grads=None, dropout_mask=None, ref
         for name, g, rg, sg in zip(("dq", "dk", "dv"), grads, ref_grads, same_grads):
             errors.append((name, rel_error(g, rg), rel_error(sg, rg)))
     return errors, ref_lse
+
+
+def call_errors(fn, q, k, v, *, backward: bool = True, reference=attention_naive, **options):
+    """Run ``fn(q, k, v, return_attn_probs=True, **options)`` and measure its out (and, with
+    ``backward``, dq, dk, dv through autograd with a random dout) against the float64 reference.
+
+    With dropout the reference applies the kernel's own mask, read off the sign of the returned
+    probabilities (dropped entries are negated). Returns ``(errors, lse, reference_lse)``, errors as
+    :func:`reference_errors` gives them; raises AssertionError on a wrong output shape or dtype."""
+    out, lse, probs = fn(q, k, v, return_attn_probs=True, **options)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise AssertionError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected "
+                             f"{tuple(q.shape)}, {q.dtype}")
+    dropout_mask = probs >= 0 if options.get("dropout_p", 0.0) > 0 else None
+    dout = grads = None
+    if backward:
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+            if g.shape != t.shape or g.dtype != q.dtype:
+                raise AssertionError(f"{name} has shape {tuple(g.shape)} and dtype {g.dtype}; expected "
+                                     f"{tuple(t.shape)}, {q.dtype}")
+    ref_options = {name: options[name] for name in REFERENCE_OPTIONS if name in options}
+    errors, ref_lse = reference_errors(q, k, v, out, dout, grads, dropout_mask=dropout_mask, reference=reference,
+                                       **ref_options)
+    return errors, lse, ref_lse
 
 
 def check_errors(errors: List[Tuple[str, float, float]], dtype: torch.dtype, factor: float = 2.0) -> None:

@@ -4,7 +4,7 @@ not supported there: its tl.dot multiplies raw bits), larger and bf16 on the GPU
 import torch
 
 from flashtile.reference import attention_naive
-from flashtile.testing import check_errors, check_lse, reference_errors
+from flashtile.testing import call_errors, check_errors, check_lse, reference_errors
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -56,22 +56,8 @@ def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, requi
 
 def check_against_reference(fn, q, k, v, *, backward=True, reference=attention_naive, **options):
     """Run ``fn(q, k, v, return_attn_probs=True, **options)`` and check out, lse and
-    (if ``backward``) dq, dk, dv against float64, with PyTorch's same-dtype error as the yardstick.
-
-    With dropout, the reference applies the kernel's own mask, read off the sign of the
-    returned probabilities (dropped entries are negated). ``reference``: see reference_errors."""
-    out, lse, probs = fn(q, k, v, return_attn_probs=True, **options)
-    dropout_mask = probs >= 0 if options.get("dropout_p", 0.0) > 0 else None
-    ref_opts = {name: options[name] for name in ("softmax_scale", "causal", "window_size", "softcap",
-                                                 "alibi_slopes", "dropout_p") if name in options}
-    assert out.shape == q.shape and out.dtype == q.dtype
-    dout = grads = None
-    if backward:
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-            assert g.shape == t.shape and g.dtype == q.dtype, f"{name}: shape {tuple(g.shape)}, dtype {g.dtype}"
-    errors, ref_lse = reference_errors(q, k, v, out, dout, grads, dropout_mask=dropout_mask, reference=reference,
-                                       **ref_opts)
+    (if ``backward``) dq, dk, dv against float64, with PyTorch's same-dtype error as the yardstick
+    (flashtile.testing.call_errors: with dropout, the reference applies the kernel's own mask)."""
+    errors, lse, ref_lse = call_errors(fn, q, k, v, backward=backward, reference=reference, **options)
     check_errors(errors, q.dtype)
     check_lse(lse, ref_lse)

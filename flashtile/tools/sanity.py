@@ -32,8 +32,6 @@ import torch
 PROG = "python -m flashtile sanity"
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-# The reference's options, out of the call's options (the rest are the call's own).
-REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "dropout_p")
 
 
 @dataclasses.dataclass
@@ -102,6 +100,8 @@ def _explain(*args, **kwargs):
 
 
 def _explain_options(options: dict) -> dict:
+    from flashtile.testing import REFERENCE_OPTIONS
+
     return {name: value for name, value in options.items() if name in REFERENCE_OPTIONS + ("deterministic",)}
 
 
@@ -112,20 +112,10 @@ def check_call(fn, q, k, v, *, backward: bool, reference=None, explanation=None,
     With dropout the reference applies the kernel's own mask, read off the sign of the returned
     S_dmask (dropped entries are negated), as tests/_cases.py does."""
     from flashtile.reference import attention_naive
-    from flashtile.testing import reference_errors
+    from flashtile.testing import call_errors
 
-    out, lse, probs = fn(q, k, v, return_attn_probs=True, **options)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise AssertionError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected "
-                             f"{tuple(q.shape)}, {q.dtype}")
-    dropout_mask = probs >= 0 if options.get("dropout_p", 0.0) > 0 else None
-    dout = grads = None
-    if backward:
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref_options = {name: options[name] for name in REFERENCE_OPTIONS if name in options}
-    errors, ref_lse = reference_errors(q, k, v, out, dout, grads, dropout_mask=dropout_mask,
-                                       reference=reference or attention_naive, **ref_options)
+    errors, lse, ref_lse = call_errors(fn, q, k, v, backward=backward, reference=reference or attention_naive,
+                                       **options)
     forward, backward_path = (explanation.forward.path, explanation.backward.path) if explanation else ("?", "?")
     rows = _error_rows(errors, q.dtype, forward, backward_path)
     rows.insert(1, _lse_row(lse, ref_lse, forward))
