@@ -111,7 +111,7 @@ def test_sanity_fails_on_a_wrong_output(monkeypatch, tmp_path, capsys):
 
     def off_by_a_bit(*args, **kwargs):
         out, lse, probs = real(*args, **kwargs)
-        return out * 1.01, lse, probs
+        return out * 1.05, lse, probs  # 5%: past the bf16 bound on a GPU (~1.3%) too
 
     monkeypatch.setattr(flashtile, "flash_attn_func", off_by_a_bit)
     path = tmp_path / "sanity.json"
