@@ -1,7 +1,7 @@
 """flashtile: exact FlashAttention in Triton, behind the flash_attn API."""
 
 from .compat import install_as_flash_attn, register_sdpa, uninstall_as_flash_attn
-from .dispatch import Explanation, PathChoice, explain
+from .explanation import Explanation, PathChoice, explain
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .kvcache import flash_attn_with_kvcache
 from .padding import index_first_axis, pad_input, unpad_input

@@ -253,3 +253,31 @@ def validate_block_table_pages(table: torch.Tensor, key_counts: torch.Tensor, pa
         if ((used < 0) | (used >= num_pages)).any():
             bad = used[(used < 0) | (used >= num_pages)][0].item()
             raise ValueError(f"block_table[{b}] points at page {bad}, outside the {num_pages} pages of {pool}")
+
+
+def check_kvcache_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, rows, block_table, num_pages,
+                           rotary_len, rotated_positions_end, cache_leftpad) -> None:
+    """flash_attn_with_kvcache's checks that need the device's values (CPU tensors, or
+    FLASHTILE_VALIDATE=1): run before the cache is written, so a bad call leaves it untouched."""
+    lengths = cache_seqlens.cpu().long()
+    if cache_leftpad is not None:
+        pad = cache_leftpad.cpu().long()
+        if ((pad < 0) | (pad > lengths)).any():
+            at = int(((pad < 0) | (pad > lengths)).nonzero()[0])
+            raise ValueError(f"cache_leftpad[{at}] = {pad[at].item()} is outside [0, cache_seqlens[{at}] = "
+                             f"{lengths[at].item()}]")
+    if (lengths < 0).any() or (lengths + seqlen_new > capacity).any():
+        at = int(((lengths < 0) | (lengths + seqlen_new > capacity)).nonzero()[0])
+        raise ValueError(f"cache_seqlens[{at}] = {lengths[at].item()} plus {seqlen_new} new tokens does not fit the "
+                         f"cache's {capacity} positions per sequence")
+    if cache_batch_idx is not None:
+        idx = cache_batch_idx.cpu().long()
+        if ((idx < 0) | (idx >= rows)).any():
+            raise ValueError(f"cache_batch_idx holds {idx[(idx < 0) | (idx >= rows)][0].item()}, outside the "
+                             f"{rows} rows of k_cache")
+    if block_table is not None:
+        validate_block_table_pages(block_table.cpu().long(), lengths + seqlen_new,
+                                          capacity // block_table.shape[1], num_pages, "k_cache")
+    if rotary_len is not None and (lengths + rotated_positions_end).max().item() > rotary_len:
+        raise ValueError(f"rotary_cos has {rotary_len} positions but the call rotates up to position "
+                         f"{(lengths + rotated_positions_end).max().item() - 1}: the tables are too short")

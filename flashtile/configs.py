@@ -16,7 +16,7 @@ import torch
 import triton
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KernelConfig:
     """Tile shape and scheduling of one portable Triton kernel launch.
 
@@ -39,7 +39,7 @@ class KernelConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowBlockConfig:
     """A kernel that streams rows (the backward preprocess): block_m rows per program."""
 
@@ -47,9 +47,9 @@ class RowBlockConfig:
     num_warps: int = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GluonFwdConfig:
-    """The Hopper (sm90) warp-specialized forward (flashtile/kernels/gluon_forward.py).
+    """The Hopper (sm90) warp-specialized forward (flashtile/kernels/hopper/forward.py).
 
     A CTA holds num_consumers (1 to 4) warpgroups of 64 query rows each and one TMA loader warp.
     block_n: keys per K/V tile; num_stages: depth of the K/V shared-memory ring;
@@ -98,9 +98,9 @@ class GluonFwdConfig:
         return self.num_consumers * 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GluonBwdConfig:
-    """The Hopper (sm90) warp-specialized backward (flashtile/kernels/gluon_backward.py).
+    """The Hopper (sm90) warp-specialized backward (flashtile/kernels/hopper/backward.py).
 
     A CTA holds 128 keys (two consumer warpgroups of 64; at head dim 256, 64 keys and each
     warpgroup owns half the head dim) and one TMA loader warp, and streams query tiles past
@@ -117,7 +117,7 @@ class GluonBwdConfig:
     dq_overlap: bool = False
     # Dense batches: launch the dQ convert as a programmatic dependent launch that starts converting
     # each (batch, KV head) as soon as its key blocks are done, on the SMs the kernel's last wave
-    # leaves idle (gluon_backward.py, "The dQ convert overlapped with the kernel's last CTAs").
+    # leaves idle (hopper/backward.py, "The dQ convert overlapped with the kernel's last CTAs").
     overlap_convert: bool = False
     # Dense batches: the grid's first axis is the KV head, not the key block, so CTAs start with
     # every head's first key block of a batch, then every head's second, ... In a causal grid key
@@ -128,7 +128,7 @@ class GluonBwdConfig:
     heads_first: bool = False
     # Dense batches, head dims 64 (block_m 128): one CTA per SM runs key blocks one after another,
     # drawing them from a counter, so no CTA launch separates them and the next key block's first
-    # Q / dO tiles load while the current one ends (gluon_backward.py, "Persistent backward").
+    # Q / dO tiles load while the current one ends (hopper/backward.py, "Persistent backward").
     # Packed batches and other head dims run the per-key-block kernel (the flag is ignored).
     persistent: bool = False
 
@@ -193,94 +193,86 @@ DECODE_MAX_ROWS = 16
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths
 # exercised at the small sequence lengths CPU tests use.
 _INTERPRETER = {
-    FWD: KernelConfig(32, 32),
-    FWD_DECODE: KernelConfig(16, 32),
-    BWD_DKDV: KernelConfig(32, 32),
-    BWD_DQ: KernelConfig(32, 32),
+    FWD: KernelConfig(block_m=32, block_n=32),
+    FWD_DECODE: KernelConfig(block_m=16, block_n=32),
+    BWD_DKDV: KernelConfig(block_m=32, block_n=32),
+    BWD_DQ: KernelConfig(block_m=32, block_n=32),
     FWD_GLUON: None,
     BWD_GLUON: None,
-    BWD_PREPROCESS: RowBlockConfig(32),
+    BWD_PREPROCESS: RowBlockConfig(block_m=32),
 }
 
 # Portable GPU defaults, keyed by the padded head dim (upper bound). Chosen to fit
 # registers and shared memory on sm80/sm90; tuned values per arch go in _TUNED.
 _DEFAULT_GPU = {
     FWD: [
-        Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3)),
-        Rule(128, KernelConfig(128, 64, num_warps=8, num_stages=3)),
-        Rule(256, KernelConfig(64, 64, num_warps=8, num_stages=2)),
+        Rule(64, KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)),
+        Rule(128, KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+        Rule(256, KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)),
     ],
     FWD_DECODE: [
-        Rule(128, KernelConfig(16, 128, num_warps=4, num_stages=3)),
-        Rule(256, KernelConfig(16, 64, num_warps=4, num_stages=3)),
+        Rule(128, KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)),
+        Rule(256, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)),
     ],
     BWD_DKDV: [
-        Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
-        Rule(128, KernelConfig(64, 64, num_warps=8, num_stages=2)),
-        Rule(256, KernelConfig(32, 64, num_warps=8, num_stages=1)),
+        Rule(64, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+        Rule(128, KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)),
+        Rule(256, KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=1)),
     ],
     BWD_DQ: [
-        Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
-        Rule(128, KernelConfig(64, 64, num_warps=8, num_stages=2)),
-        Rule(256, KernelConfig(64, 32, num_warps=8, num_stages=1)),
+        Rule(64, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+        Rule(128, KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)),
+        Rule(256, KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=1)),
     ],
     FWD_GLUON: [],  # Hopper only
     BWD_GLUON: [],
-    BWD_PREPROCESS: [Rule(256, RowBlockConfig(64))],
+    BWD_PREPROCESS: [Rule(256, RowBlockConfig(block_m=64))],
 }
 
-# The Hopper forward's best non-causal head-dim-64 config from 2k keys (dense, run persistent) / 4k
-# (packed), and the causal one for packed batches from 8k keys.
-_D64_THREE_CONSUMERS = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24,
-                                      row_sum_mma=True)
+# The sm90 table's head-dim-64 forward configs. Each rule below is the winner of A/B runs on an H200
+# at 1k-16k keys; docs/experiments.md keeps the numbers and the commits that hold the runs.
+#
+# Three consumer warpgroups: non-causal from 2k keys (dense, persistent) / 4k (packed), and causal
+# packed batches from 8k keys.
+_D64_THREE_CONSUMERS = GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160,
+                                      loader_regs=24, row_sum_mma=True)
 _D64_THREE_CONSUMERS_PERSISTENT = replace(_D64_THREE_CONSUMERS, persistent=True)
-# ... and its best with short keys: four consumer warpgroups (256-row tiles, so a 1k head is 4 whole
-# tiles; at 112 registers per thread the key blocks are 64 wide), persistent. Non-causal below 2k keys:
-# 437-447 against 400-406 TFLOP/s for two consumers at 1k, even at 2k. Causal from 2k keys: each
-# warpgroup stops at its own diagonal (GluonFwdConfig.own_key_range) and a 10-deep K/V ring lets the
-# warpgroups of a tile drift apart by their 1-3 blocks: 387-392 / 432-439 / 454-463 / 473 TFLOP/s at
-# 2k / 4k / 8k / 16k, where the previous choices (two consumers with the trimmed diagonal below 5k,
-# three above) timed 370-374 / 404-408 / 448-450 / 470-479 in the same A/B runs;
-# bench/results/2026-11-22-h200-four-consumers/.
-_D64_FOUR_CONSUMERS_PERSISTENT = GluonFwdConfig(64, 4, num_consumers=4, consumer_regs=112, loader_regs=24,
-                                                persistent=True, row_sum_mma=True)
+# Short keys: four consumer warpgroups (256-row tiles, so a 1k head is 4 whole tiles; at 112 registers
+# per thread the key blocks are 64 wide), persistent. Causal from 2k keys: each warpgroup stops at its
+# own diagonal (own_key_range), and a 10-deep K/V ring lets the warpgroups of a tile drift apart by the
+# 1-3 blocks their key ranges differ.
+_D64_FOUR_CONSUMERS_PERSISTENT = GluonFwdConfig(block_n=64, num_stages=4, num_consumers=4, consumer_regs=112,
+                                                loader_regs=24, persistent=True, row_sum_mma=True)
 _D64_FOUR_CONSUMERS_OWN_RANGE = replace(_D64_FOUR_CONSUMERS_PERSISTENT, num_stages=10, own_key_range=True)
 # Causal dense batches below 2k keys: CTAs of one consumer warpgroup (64-row tiles, 64-key blocks), three
 # per SM, persistent over causal pairs of tiles. The tiles are as small as the portable kernel's (the
 # diagonal wastes as little), but each CTA overlaps its softmax with its next S = Q K^T and has a loader
-# warp. Against the portable kernel (four 4-warp CTAs per SM), three A/B runs: +4.5 to +8.8% at 1k,
-# +1.5 to +3.8% at 1.5k; at 2k four consumers with own key ranges stay ahead (390-396 against 366-372
-# TFLOP/s); bench/results/2026-11-22-h200-one-consumer-ctas/.
-_D64_ONE_CONSUMER_X3 = GluonFwdConfig(64, 2, num_consumers=1, consumer_regs=136, loader_regs=24, persistent=True,
-                                      row_sum_mma=True, ctas_per_sm=3)
+# warp; from 2k keys the four-consumer tiles win again.
+_D64_ONE_CONSUMER_X3 = GluonFwdConfig(block_n=64, num_stages=2, num_consumers=1, consumer_regs=136, loader_regs=24,
+                                      persistent=True, row_sum_mma=True, ctas_per_sm=3)
 
-# Measured per architecture: {arch: {kernel: [Rule, ...]}}.
-# sm90 (H100/H200), measured on an H200 in bf16 at 16k tokens, hidden 2048:
-# - portable kernels: bench/tune_configs.py at seqlen 4096, the best geometric mean over
-#   causal and non-causal (bench/results/2026-11-21-h200-tune*.md);
-# - the Gluon forward and backward: bench/gluon_fwd_probe.py and bench/gluon_bwd_probe.py,
-#   seqlen 1k/4k/16k (bench/results/2026-11-21-h200-gluon-*.json). At head dim 64 the causal
-#   forward stays on the Triton kernel below 2k keys (8k packed); head dims it does not list
-#   fall back to the Triton kernel.
+# Per architecture: {arch: {kernel: [Rule, ...]}}, the first matching rule wins. sm90 (H100/H200) was
+# tuned on an H200 in bf16 at 1k-16k tokens, hidden 2048: the portable kernels by the best geometric
+# mean over causal and non-causal (`python -m flashtile tune` repeats such a search), the Hopper
+# kernels by A/B runs of their candidates (GLUON_CANDIDATES below). Head dims a Gluon list does not
+# serve fall back to the portable kernels (a None config).
 _TUNED: dict = {
     "sm90": {
         FWD: [
             # Causal d64 packed batches below 8k keys (dense ones run the Gluon forward on sm90): 64-row
-            # tiles waste less on the diagonal (bench/tune_configs.py --seqlen 1024/2048/4096: +9% / +5% / +4%).
-            Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=3, use_tma=True), causal=True),
-            Rule(64, KernelConfig(128, 64, num_warps=4, num_stages=3, use_tma=True)),
-            Rule(128, KernelConfig(128, 128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True)),
-            Rule(256, KernelConfig(128, 64, num_warps=8, num_stages=2)),
+            # tiles waste less on the diagonal.
+            Rule(64, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, use_tma=True), causal=True),
+            Rule(64, KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=True)),
+            Rule(128, KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True,
+                                   warp_specialize=True)),
+            Rule(256, KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)),
         ],
         FWD_GLUON: [
             # Dense batches with short keys: persistent CTAs (the next tile loads under a tile's last
-            # P V and output store); bench/gluon_fwd_probe.py at seqlen 1k-16k
-            # (bench/results/2026-11-21-h200-persistent/). Packed batches keep the per-tile grid.
-            # Head dim 64 takes its row sums on the tensor cores: +1-3% full, +4-10% causal
-            # (bench/results/2026-11-21-h200-row-sum-mma/); they cost the tensor-bound d128 / d256 2-6%.
+            # P V and output store). Packed batches keep the per-tile grid. Head dim 64 takes its row
+            # sums on the tensor cores (its loop is bound by the softmax's issue slots); at d128 / d256
+            # the tensor cores are the bound and the row sums stay on the CUDA cores.
             Rule(64, _D64_FOUR_CONSUMERS_PERSISTENT, causal=False, max_seqlen_k=2048, varlen=False),
-            # Persistent, non-causal d64 from 2k keys: +7/+4/+3/+3% at 2k/4k/8k/16k over per-tile
-            # CTAs (causal 8k/16k: even; bench/results/2026-11-21-h200-operand-packing/d64-configs/).
             Rule(64, _D64_THREE_CONSUMERS_PERSISTENT, causal=False, min_seqlen_k=2048, varlen=False),
             Rule(64, _D64_THREE_CONSUMERS, causal=False, min_seqlen_k=4096),
             Rule(64, _D64_ONE_CONSUMER_X3, causal=True, max_seqlen_k=2048, varlen=False),
@@ -288,92 +280,261 @@ _TUNED: dict = {
             Rule(64, _D64_THREE_CONSUMERS, causal=True, min_seqlen_k=8192),
             Rule(64, None),
             # Head dims 96 and 192 (padded to 128 / 256) take these rules: they run the d128 / d256
-            # kernels on tiles of the padded width (gluon_forward.HEAD_DIMS lists what it serves).
-            Rule(128, GluonFwdConfig(128, 2, pingpong=True), varlen=True),
-            Rule(128, GluonFwdConfig(128, 2, persistent=True), causal=False, max_seqlen_k=4096),
-            Rule(128, GluonFwdConfig(128, 2), causal=False),
-            Rule(128, GluonFwdConfig(128, 2, pingpong=True, persistent=True), causal=True, max_seqlen_k=16384),
-            Rule(128, GluonFwdConfig(128, 2), causal=True),
-            # (A persistent d256 CTA would need 256 KB of shared memory with its O staging buffer.)
-            # Causal: groups of heads, each group's longest tiles first: +1.5-4% over one head after
-            # another at 1k-16k (bench/results/2026-11-21-h200-tile-order/); at d64 / d128 it lost.
-            Rule(256, GluonFwdConfig(64, 2, pingpong=True, heads_per_group=0)),
+            # kernels on tiles of the padded width (hopper/tma.py's HEAD_DIMS lists what it serves).
+            Rule(128, GluonFwdConfig(block_n=128, num_stages=2, pingpong=True), varlen=True),
+            Rule(128, GluonFwdConfig(block_n=128, num_stages=2, persistent=True), causal=False, max_seqlen_k=4096),
+            Rule(128, GluonFwdConfig(block_n=128, num_stages=2), causal=False),
+            Rule(128, GluonFwdConfig(block_n=128, num_stages=2, pingpong=True, persistent=True), causal=True,
+                 max_seqlen_k=16384),
+            Rule(128, GluonFwdConfig(block_n=128, num_stages=2), causal=True),
+            # A persistent d256 CTA would need 256 KB of shared memory with its O staging buffer. Causal:
+            # groups of heads, each group's longest tiles first (one CTA per SM leaves few tiles per
+            # head, so the order matters here; at d64 / d128 it lost).
+            Rule(256, GluonFwdConfig(block_n=64, num_stages=2, pingpong=True, heads_per_group=0)),
         ],
         BWD_GLUON: [
             # Head dim 64: one CTA per SM running key block after key block (GluonBwdConfig.persistent;
-            # varlen batches run the per-key-block kernel). Against it, in one process: causal +4.8 / +4.9
-            # / +2.1 / +2.3 / +3.2% at 1k / 2k / 4k / 8k / 16k; non-causal +1.1 / -1.0 / -1.1 / -2.5 / -0.3%
-            # (+2.4 / +3.6 / +2.4 / -0.3 / +3.2% in an earlier run: noise-level either way)
-            # (bench/results/2026-11-22-h200-persistent-bwd-landed/).
+            # varlen batches run the per-key-block kernel): no launch separates key blocks.
             Rule(64, GluonBwdConfig(block_m=128, num_stages=2, persistent=True)),
             # Also head dim 96 (and 192 below), on tiles of the padded width. Causal grids below 8k keys
-            # start every head's longest key block first: +1.6 / +4.2% at 1k / 2k, even at 4k-6k, -4% at
-            # 16k; at head dims 64 / 256 even or worse (bench/results/2026-11-21-h200-bwd-launch-order/).
+            # start every head's longest key block first, so the grid does not end on long CTAs; at
+            # 16k, and at head dims 64 / 256, the L2 locality of head-major order wins instead.
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2, heads_first=True), causal=True, max_seqlen_k=8192),
             Rule(128, GluonBwdConfig(block_m=64, num_stages=2)),
             # 64 keys per CTA, each warpgroup half of the head dim: block_m 64 with 2 stages is what
-            # fits shared memory (1.10-1.23x cuDNN in bench/results/2026-11-22-h200-d256-bwd-opaque-kv/sweep;
-            # a persistent variant timed the same and was dropped, see that README).
-            # The dQ convert overlapped with the kernel's last CTAs: +0.6 / +2.4% at 1k full / causal,
-            # +0.8 / +1.7% at 4k (bench/results/2026-11-21-h200-overlap-convert/); at head dim 64 it
-            # lost 2% at 1k, at 128 it was even.
+            # fits shared memory. The dQ convert overlaps the kernel's last CTAs (a partial last wave
+            # leaves SMs idle at this size; at head dims 64 / 128 it did not pay).
             Rule(256, GluonBwdConfig(block_m=64, num_stages=2, overlap_convert=True)),
         ],
         BWD_DKDV: [
-            Rule(64, KernelConfig(64, 64, num_warps=4, num_stages=2)),
-            Rule(128, KernelConfig(32, 64, num_warps=4, num_stages=3)),
-            Rule(256, KernelConfig(32, 32, num_warps=4, num_stages=2)),
+            Rule(64, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+            Rule(128, KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=3)),
+            Rule(256, KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)),
         ],
         BWD_DQ: [
-            Rule(64, KernelConfig(128, 64, num_warps=8, num_stages=2)),
-            Rule(128, KernelConfig(64, 32, num_warps=4, num_stages=3)),
-            Rule(256, KernelConfig(128, 32, num_warps=8, num_stages=2)),
+            Rule(64, KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)),
+            Rule(128, KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)),
+            Rule(256, KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)),
         ],
-        # bench/preprocess_probe.py (bench/results/2026-11-21-h200-preprocess/): 32-row blocks are
-        # within 2 us of the best (block_m, num_warps) at every head dim, 1k and 16k; the forward's
-        # block_m, taken before, cost up to 4 us more.
-        BWD_PREPROCESS: [Rule(256, RowBlockConfig(32))],
+        # A memory-bound row pass: small blocks keep every SM busy at short lengths and cost nothing
+        # at long ones.
+        BWD_PREPROCESS: [Rule(256, RowBlockConfig(block_m=32))],
     },
 }
 
 
 # Alternatives to the tables for the portable kernels, per kernel and padded head dim: what
-# bench/tune_configs.py times to fill the tables, and what FLASHTILE_AUTOTUNE=1 searches
-# (flashtile/autotune.py). The Hopper kernels keep theirs next to the code (CANDIDATES).
+# `python -m flashtile tune` and FLASHTILE_AUTOTUNE=1 search
+# (flashtile/autotune.py). The Hopper kernels' alternatives follow (GLUON_CANDIDATES).
 _C = KernelConfig
 PORTABLE_CANDIDATES = {
     FWD: {
-        64: [_C(64, 64, 4, 3), _C(128, 64, 4, 3, True), _C(128, 64, 4, 3, True, True), _C(128, 128, 8, 3, True, True),
-             _C(128, 128, 4, 3, True, True), _C(128, 64, 8, 3, True, True), _C(128, 128, 8, 2, True),
-             _C(64, 64, 4, 3, True), _C(64, 128, 4, 3, True, True), _C(128, 64, 4, 4, True), _C(128, 32, 4, 3, True),
-             _C(64, 32, 4, 4, True)],
-        128: [_C(128, 64, 8, 3), _C(128, 64, 8, 3, True), _C(128, 128, 8, 3, True), _C(128, 64, 8, 3, True, True),
-              _C(128, 128, 8, 3, True, True), _C(128, 128, 8, 2, True, True), _C(128, 128, 4, 3, True, True),
-              _C(128, 64, 4, 3, True, True)],
-        256: [_C(128, 64, 8, 2), _C(128, 64, 8, 2, True), _C(128, 64, 8, 2, True, True),
-              _C(128, 128, 8, 2, True, True), _C(64, 128, 4, 2, True, True), _C(128, 32, 8, 3, True, True),
-              _C(64, 64, 4, 3, True, True)],
+        64: [
+            _C(block_m=64, block_n=64, num_warps=4, num_stages=3),
+            _C(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=True),
+            _C(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=128, num_warps=4, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True),
+            _C(block_m=64, block_n=64, num_warps=4, num_stages=3, use_tma=True),
+            _C(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=64, num_warps=4, num_stages=4, use_tma=True),
+            _C(block_m=128, block_n=32, num_warps=4, num_stages=3, use_tma=True),
+            _C(block_m=64, block_n=32, num_warps=4, num_stages=4, use_tma=True),
+        ],
+        128: [
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=3),
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True),
+            _C(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True),
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=128, num_warps=4, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=True, warp_specialize=True),
+        ],
+        256: [
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=2),
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=True),
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=2, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True, warp_specialize=True),
+            _C(block_m=64, block_n=128, num_warps=4, num_stages=2, use_tma=True, warp_specialize=True),
+            _C(block_m=128, block_n=32, num_warps=8, num_stages=3, use_tma=True, warp_specialize=True),
+            _C(block_m=64, block_n=64, num_warps=4, num_stages=3, use_tma=True, warp_specialize=True),
+        ],
     },
     FWD_DECODE: {
-        d: [_C(16, n, w, st) for n in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4) if d * n <= 128 * 128]
+        d: [_C(block_m=16, block_n=n, num_warps=w, num_stages=st)
+            for n in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4) if d * n <= 128 * 128]
         for d in (16, 32, 64, 128, 256)
     },
     BWD_DKDV: {
-        64: [_C(64, 64, 4, 2), _C(32, 128, 4, 3), _C(32, 64, 4, 3), _C(64, 128, 8, 2), _C(32, 128, 8, 3),
-             _C(16, 64, 4, 3)],
-        128: [_C(64, 64, 8, 2), _C(32, 64, 4, 3), _C(32, 128, 8, 3), _C(32, 128, 8, 2), _C(64, 128, 8, 2),
-              _C(16, 64, 4, 3), _C(32, 64, 8, 2)],
-        256: [_C(32, 64, 8, 1), _C(32, 64, 8, 2), _C(16, 64, 4, 2), _C(32, 32, 4, 2), _C(64, 64, 8, 1),
-              _C(16, 128, 8, 2)],
+        64: [
+            _C(block_m=64, block_n=64, num_warps=4, num_stages=2),
+            _C(block_m=32, block_n=128, num_warps=4, num_stages=3),
+            _C(block_m=32, block_n=64, num_warps=4, num_stages=3),
+            _C(block_m=64, block_n=128, num_warps=8, num_stages=2),
+            _C(block_m=32, block_n=128, num_warps=8, num_stages=3),
+            _C(block_m=16, block_n=64, num_warps=4, num_stages=3),
+        ],
+        128: [
+            _C(block_m=64, block_n=64, num_warps=8, num_stages=2),
+            _C(block_m=32, block_n=64, num_warps=4, num_stages=3),
+            _C(block_m=32, block_n=128, num_warps=8, num_stages=3),
+            _C(block_m=32, block_n=128, num_warps=8, num_stages=2),
+            _C(block_m=64, block_n=128, num_warps=8, num_stages=2),
+            _C(block_m=16, block_n=64, num_warps=4, num_stages=3),
+            _C(block_m=32, block_n=64, num_warps=8, num_stages=2),
+        ],
+        256: [
+            _C(block_m=32, block_n=64, num_warps=8, num_stages=1),
+            _C(block_m=32, block_n=64, num_warps=8, num_stages=2),
+            _C(block_m=16, block_n=64, num_warps=4, num_stages=2),
+            _C(block_m=32, block_n=32, num_warps=4, num_stages=2),
+            _C(block_m=64, block_n=64, num_warps=8, num_stages=1),
+            _C(block_m=16, block_n=128, num_warps=8, num_stages=2),
+        ],
     },
     BWD_DQ: {
-        64: [_C(64, 64, 4, 2), _C(128, 32, 4, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 2), _C(128, 32, 8, 3)],
-        128: [_C(64, 64, 8, 2), _C(64, 32, 4, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 2), _C(64, 64, 4, 3),
-              _C(128, 32, 4, 2)],
-        256: [_C(64, 32, 8, 1), _C(64, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 64, 4, 2), _C(128, 32, 8, 2),
-              _C(64, 16, 4, 2)],
+        64: [
+            _C(block_m=64, block_n=64, num_warps=4, num_stages=2),
+            _C(block_m=128, block_n=32, num_warps=4, num_stages=3),
+            _C(block_m=64, block_n=32, num_warps=4, num_stages=3),
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=2),
+            _C(block_m=128, block_n=32, num_warps=8, num_stages=3),
+        ],
+        128: [
+            _C(block_m=64, block_n=64, num_warps=8, num_stages=2),
+            _C(block_m=64, block_n=32, num_warps=4, num_stages=3),
+            _C(block_m=128, block_n=32, num_warps=8, num_stages=3),
+            _C(block_m=128, block_n=64, num_warps=8, num_stages=2),
+            _C(block_m=64, block_n=64, num_warps=4, num_stages=3),
+            _C(block_m=128, block_n=32, num_warps=4, num_stages=2),
+        ],
+        256: [
+            _C(block_m=64, block_n=32, num_warps=8, num_stages=1),
+            _C(block_m=64, block_n=32, num_warps=8, num_stages=2),
+            _C(block_m=64, block_n=32, num_warps=4, num_stages=2),
+            _C(block_m=32, block_n=64, num_warps=4, num_stages=2),
+            _C(block_m=128, block_n=32, num_warps=8, num_stages=2),
+            _C(block_m=64, block_n=16, num_warps=4, num_stages=2),
+        ],
     },
 }
+
+
+# Alternatives for the Hopper kernels, by padded head dim and name: what the autotuner searches
+# besides the table's choice, and what `python -m flashtile configs` lists. All compile for sm90.
+_GLUON_FWD_CANDIDATES = {
+    64: {
+        "c2_n128_s3": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2, consumer_regs=240, loader_regs=40,
+                                     pingpong=False),
+        "c2_n128_s3_pp": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2, consumer_regs=240,
+                                        loader_regs=40, pingpong=True),
+        "c3_n128_s2": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160, loader_regs=24,
+                                     pingpong=False),
+        "c3_n128_s2_pp": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160,
+                                        loader_regs=24, pingpong=True),
+        # Persistent (one CTA per SM looping over tiles).
+        "c2_n128_s3_pp_persist": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2, consumer_regs=240,
+                                                loader_regs=40, pingpong=True, persistent=True),
+        "c3_n128_s2_persist": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160,
+                                             loader_regs=24, pingpong=False, persistent=True),
+        "c3_n128_s2_pp_persist": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160,
+                                                loader_regs=24, pingpong=True, persistent=True),
+        "c2_n64_s4_pp_persist": GluonFwdConfig(block_n=64, num_stages=4, num_consumers=2, consumer_regs=240,
+                                               loader_regs=40, pingpong=True, persistent=True),
+        "c3_n64_s4_pp_persist": GluonFwdConfig(block_n=64, num_stages=4, num_consumers=3, consumer_regs=160,
+                                               loader_regs=24, pingpong=True, persistent=True),
+        # Row sums on the tensor cores (the table's choices at d64).
+        "c2_n128_s3_pp_persist_rs": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2, consumer_regs=240,
+                                                   loader_regs=40, pingpong=True, persistent=True, row_sum_mma=True),
+        "c2_n128_s3_persist_rs": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2, consumer_regs=240,
+                                                loader_regs=40, pingpong=False, persistent=True, row_sum_mma=True),
+        "c3_n128_s2_rs": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160,
+                                        loader_regs=24, pingpong=False, persistent=False, row_sum_mma=True),
+        "c3_n128_s2_pp_rs": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160,
+                                           loader_regs=24, pingpong=True, persistent=False, row_sum_mma=True),
+        # Causal: half-width products on the diagonal block (GluonFwdConfig.trim_diagonal).
+        "c2_n128_s3_pp_persist_rs_trim": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2,
+                                                        consumer_regs=240, loader_regs=40, pingpong=True,
+                                                        persistent=True, row_sum_mma=True, trim_diagonal=True),
+        "c3_n128_s2_persist_rs_trim": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160,
+                                                     loader_regs=24, pingpong=False, persistent=True,
+                                                     row_sum_mma=True, trim_diagonal=True),
+        # Four consumers (256-row tiles) fit 112 registers with 64-key blocks (120 spills more).
+        "c4_n64_s4_persist_rs": GluonFwdConfig(block_n=64, num_stages=4, num_consumers=4, consumer_regs=112,
+                                               loader_regs=24, pingpong=False, persistent=True, row_sum_mma=True),
+        "c4_n64_s4_rs_own": GluonFwdConfig(block_n=64, num_stages=4, num_consumers=4, consumer_regs=112,
+                                           loader_regs=24, pingpong=False, persistent=False, row_sum_mma=True,
+                                           own_key_range=True),
+        "c4_n64_s10_persist_rs_own": GluonFwdConfig(block_n=64, num_stages=10, num_consumers=4, consumer_regs=112,
+                                                    loader_regs=24, pingpong=False, persistent=True,
+                                                    row_sum_mma=True, own_key_range=True),
+        # One consumer warpgroup per CTA, three CTAs per SM (GluonFwdConfig.ctas_per_sm): the table's
+        # causal choice below 2k keys, its three-stage twin and the per-tile grid.
+        "c1_n64_s2_persist_rs_x3": GluonFwdConfig(block_n=64, num_stages=2, num_consumers=1, consumer_regs=136,
+                                                  loader_regs=24, pingpong=False, persistent=True, row_sum_mma=True,
+                                                  ctas_per_sm=3),
+        "c1_n64_s3_persist_rs_x3": GluonFwdConfig(block_n=64, num_stages=3, num_consumers=1, consumer_regs=136,
+                                                  loader_regs=24, pingpong=False, persistent=True, row_sum_mma=True,
+                                                  ctas_per_sm=3),
+        "c1_n64_s4_rs_x3": GluonFwdConfig(block_n=64, num_stages=4, num_consumers=1, consumer_regs=136,
+                                          loader_regs=24, pingpong=False, persistent=False, row_sum_mma=True,
+                                          ctas_per_sm=3),
+    },
+    128: {
+        "c2_n128_s2": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=2, consumer_regs=240, loader_regs=40,
+                                     pingpong=False),
+        "c2_n128_s2_pp": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=2, consumer_regs=240,
+                                        loader_regs=40, pingpong=True),
+        "c2_n128_s3": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2, consumer_regs=240, loader_regs=40,
+                                     pingpong=False),
+        "c2_n128_s3_pp": GluonFwdConfig(block_n=128, num_stages=3, num_consumers=2, consumer_regs=240,
+                                        loader_regs=40, pingpong=True),
+        "c2_n64_s4": GluonFwdConfig(block_n=64, num_stages=4, num_consumers=2, consumer_regs=240, loader_regs=40,
+                                    pingpong=False),
+        "c2_n128_s2_pp_persist": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=2, consumer_regs=240,
+                                                loader_regs=40, pingpong=True, persistent=True),
+        "c2_n128_s2_persist": GluonFwdConfig(block_n=128, num_stages=2, num_consumers=2, consumer_regs=240,
+                                             loader_regs=40, pingpong=False, persistent=True),
+    },
+    256: {
+        "c2_n64_s2": GluonFwdConfig(block_n=64, num_stages=2, num_consumers=2, consumer_regs=240, loader_regs=40,
+                                    pingpong=False),
+        "c2_n64_s2_pp": GluonFwdConfig(block_n=64, num_stages=2, num_consumers=2, consumer_regs=240, loader_regs=40,
+                                       pingpong=True),
+    },
+}
+
+_GLUON_BWD_CANDIDATES = {
+    # d64 with 3 stages needs 232960 bytes of shared memory (> 232448): not a candidate.
+    64: {
+        "m128_s2": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24),
+        "m128_s2_oc": GluonBwdConfig(block_m=128, num_stages=2, consumer_regs=240, loader_regs=24,
+                                     overlap_convert=True),
+        "m128_s2_hf": GluonBwdConfig(block_m=128, num_stages=2, heads_first=True),
+        "m128_s2_ps": GluonBwdConfig(block_m=128, num_stages=2, persistent=True),
+    },
+    128: {
+        "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
+        "m64_s3": GluonBwdConfig(block_m=64, num_stages=3, consumer_regs=240, loader_regs=24),
+        "m64_s2_oc": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24,
+                                    overlap_convert=True),
+        "m64_s2_hf": GluonBwdConfig(block_m=64, num_stages=2, heads_first=True),
+    },
+    # d256: 64 keys per CTA; block_m 64 with 2 stages fills shared memory (230 KB). block_m 32
+    # would make dQ's wgmma M (query rows) 32 < 64. dq_overlap: see GluonBwdConfig.
+    256: {
+        "m64_s2": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24),
+        "m64_s2_dqo": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24, dq_overlap=True),
+        "m64_s2_oc": GluonBwdConfig(block_m=64, num_stages=2, consumer_regs=240, loader_regs=24,
+                                    overlap_convert=True),
+        "m64_s2_oc_hf": GluonBwdConfig(block_m=64, num_stages=2, overlap_convert=True, heads_first=True),
+    },
+}
+
+GLUON_CANDIDATES = {FWD_GLUON: _GLUON_FWD_CANDIDATES, BWD_GLUON: _GLUON_BWD_CANDIDATES}
 
 
 # Set by :func:`override` (tuning scripts, experiments): {kernel: config}.
@@ -383,7 +544,7 @@ _OVERRIDES: dict = {}
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
     """Within the block, launch the named kernels with the given configs, e.g.
-    ``with override(bwd_dkdv=KernelConfig(32, 128, 8, 2)): ...``. Overriding ``fwd``
+    ``with override(bwd_dkdv=KernelConfig(block_m=32, block_n=128, num_warps=8)): ...``. Overriding ``fwd``
     forces the portable forward; ``fwd_gluon=None`` turns the Hopper forward off."""
     unknown = set(configs) - set(KERNELS)
     if unknown:

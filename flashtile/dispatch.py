@@ -1,192 +1,429 @@
-"""Which kernels a call runs, and why: :func:`explain`.
-
-A call on sm90 runs the Hopper Gluon kernels when they serve its shape and options, else the
-portable Triton kernels; kernels/launch.py's gluon_decision holds the rules and the reasons, and
-:func:`explain` asks it exactly as the launch path does, without launching anything.
+"""The dispatcher: for each call, which kernels run (the Hopper Gluon kernels or the portable
+Triton ones) and with which config, decided in one place (:func:`gluon_decision`; flashtile.explain
+asks the same function), then launched through a plan kept per call signature (kernels/plans.py)
+so that later calls skip the host work. Entry points: :func:`attention_forward`,
+:func:`attention_forward_split`, :func:`attention_backward`, :func:`attention_probs` and
+:func:`launch_kvcache_update`, and :func:`kvcache_attention` (flash_attn_with_kvcache's body); they take tensors, a :class:`~flashtile.options.ScoreParams` and,
+for packed batches, a :class:`~flashtile.options.PackedSeqs`.
 """
 
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+import functools
+import warnings
+from typing import Callable, Optional, Tuple
 
 import torch
+import triton
 
-from . import autotune, checks, runtime
-from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config
-from .interface import _score_options
-from .kernels.launch import PackedSeqs, _grid_lengths, forward_kernel, gluon_decision
-from .ops import _params, _seqs
-from .runtime import arch_of, interpreter_enabled
-from .varlen import _check_layout
-
-HOPPER, PORTABLE, NONE = "hopper", "portable", "none"
-
-_FORWARD_KERNELS = {HOPPER: "gluon_attn_fwd_kernel", PORTABLE: "attn_fwd_kernel"}
-_BACKWARD_KERNELS = {
-    HOPPER: "attn_bwd_preprocess_kernel + gluon_attn_bwd_kernel + gluon_bwd_dq_convert_kernel",
-    PORTABLE: "attn_bwd_preprocess_kernel + attn_bwd_dkdv_kernel + attn_bwd_dq_kernel",
-}
-
-
-@dataclass(frozen=True)
-class PathChoice:
-    """One direction of a call: ``path`` "hopper" (Gluon kernels), "portable" (Triton kernels) or
-    "none" (no backward: paged KV); ``kernel`` the kernels it launches; ``config`` what the config
-    tables pick (a Gluon config, the portable forward's KernelConfig, the portable backward's
-    (dK/dV, dQ) pair); ``reason`` why this path, in the user's terms."""
-
-    path: str
-    kernel: str
-    config: Any
-    reason: str
-
-    def __str__(self) -> str:
-        lines = [f"{self.path}" + (f" ({self.kernel})" if self.kernel else "")]
-        if self.config is not None:
-            lines.append(f"  config: {self.config}")
-        lines.append(f"  reason: {self.reason}")
-        return "\n".join(lines)
+from . import autotune, checks
+from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_GLUON,
+                      GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config, get_config, overridden, padded_head_dim)
+from .kernels.hopper import status as hopper_status
+from .kernels.hopper.tma import qkv_unsupported, tma_aligned
+from .kernels.plans import PlanCache, tensor_signature
+from .kernels.plans import enabled as plans_enabled
+# attention_probs and launch_kvcache_update: entry points of the dispatcher that have one path.
+from .kernels.portable.launch import (PortableBackward, PortableForward, SplitForward, attention_probs,  # noqa: F401
+                                      forward_kernel, launch_forward, launch_kvcache_update, launch_preprocess,
+                                      portable_bwd_call, portable_bwd_tensors, row_stats_buffers)
+from .options import PackedSeqs, ScoreParams, grid_lengths
+from .runtime import arch_of, device_capability, empty, multiprocessor_count, portable_only, validate_enabled
 
 
-@dataclass(frozen=True)
-class Explanation:
-    """What :func:`explain` found: the device it decided for, and the forward's and backward's paths."""
-
-    device: str
-    forward: PathChoice
-    backward: PathChoice
-    autotune: bool = False
-
-    def __str__(self) -> str:
-        lines = [f"device: {self.device}", f"forward: {self.forward}", f"backward: {self.backward}"]
-        if self.autotune:
-            lines.append("note: FLASHTILE_AUTOTUNE=1 may time other configs of the same kernels on a GPU")
-        return "\n".join(lines)
+_gluon_fallback_warned = False
 
 
-def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-            alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-            softmax_scale: Optional[float] = None, deterministic: bool = False,
-            cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-            max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-            seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
-            block_table: Optional[torch.Tensor] = None,
-            device_capability: Optional[Tuple[int, int]] = None) -> Explanation:
-    """Which kernels ``flash_attn_func`` (dense q, k, v of (b, s, h, d)) or ``flash_attn_varlen_func``
-    (packed (total, h, d) with cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k, optionally
-    seqused and a paged block_table) would run for these tensors and options, and why. Checks the
-    arguments as the call would (the same exceptions) and launches nothing.
+def reset_gluon_fallback_warning() -> None:
+    """Let the next call that falls back for want of Gluon warn again (tests)."""
+    global _gluon_fallback_warned
+    _gluon_fallback_warned = False
 
-    ``device_capability``: (major, minor) of a CUDA device to decide for in place of the tensors'
-    own, e.g. (9, 0) to see what an H100 would run from CPU or meta tensors.
+
+def _warn_gluon_fallback(reason: str) -> None:
+    # Once per process: every plan of every shape would take this path, and one warning says it.
+    global _gluon_fallback_warned
+    if _gluon_fallback_warned:
+        return
+    _gluon_fallback_warned = True
+    warnings.warn(f"flashtile: Triton {triton.__version__} cannot run the Hopper (Gluon) kernels ({reason}); this "
+                  "call and later ones run on the portable Triton kernels instead, which are slower. "
+                  "`python -m flashtile.env` prints the details.", RuntimeWarning, stacklevel=3)
+
+
+def _options_off_hopper(params: ScoreParams) -> str:
+    """Names the options that make ``params`` not plain (the rule itself is ScoreParams.plain)."""
+    options = []
+    if params.dropout_p > 0.0:
+        options.append(f"dropout (dropout_p={params.dropout_p})")
+    if params.softcap > 0.0:
+        options.append(f"softcap={params.softcap}")
+    if params.alibi_slopes is not None:
+        options.append("ALiBi (alibi_slopes)")
+    if params.window_left >= 0 or params.window_right not in (-1, 0):
+        options.append(f"a sliding window (window_size=({params.window_left}, {params.window_right}))")
+    if params.softmax_scale <= 0:
+        options.append(f"softmax_scale={params.softmax_scale} <= 0")
+    return " and ".join(options) or "these score options"
+
+
+def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None, *,
+                   deterministic: bool = False, device_capability: Optional[tuple] = None,
+                   warn: bool = True) -> Tuple[Optional[Config], str]:
+    """(config, reason): the config of the Hopper Gluon kernel ``kernel`` (FWD_GLUON or BWD_GLUON)
+    when it serves this call, else None (the call runs on the portable Triton kernels), and why, in
+    the user's terms. The one place the rules live: the launch path (gluon_config) and
+    flashtile.explain both ask it.
+
+    ``deterministic``: the backward's flag (BWD_GLUON only). ``device_capability``: (major, minor)
+    of a hypothetical CUDA device to decide for in place of q's (flashtile.explain on CPU; never
+    the launch path). ``warn``: when the call would take the Hopper path but this Triton cannot
+    run the Gluon kernels, warn once per process (RuntimeWarning) that it falls back.
     """
-    packed = cu_seqlens_q is not None
-    if not packed and any(t is not None for t in (cu_seqlens_k, seqused_q, seqused_k, block_table)):
-        raise ValueError("cu_seqlens_k, seqused_q, seqused_k and block_table describe a packed batch: pass "
-                         "cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k with (total, heads, head_dim) "
-                         "tensors")
-    if device_capability is not None:
-        device_capability = tuple(int(x) for x in device_capability)
-        if len(device_capability) != 2:
-            raise ValueError(f"device_capability must be (major, minor), got {device_capability!r}")
-    _check_tensors(q, k, v, packed, block_table, device_capability)
-    if packed:
-        _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                      block_table)
-    batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
-    # The public API's own checks and folding (scale, causal as window_right = 0). Dropout goes in as
-    # 0 there, so that no seed is drawn: explaining must not advance the caller's random state.
-    checks.check_options(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                         softcap=softcap, alibi_slopes=alibi_slopes, batch=batch, nheads=q.shape[-2],
-                         device=q.device, deterministic=deterministic)
-    deterministic = bool(deterministic)  # checked there, as the call checks it (bools, numpy bools, 0 / 1)
-    alibi_slopes, _, floats, window_left, window_right = _score_options(
-        q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=batch)
-    floats[2] = float(dropout_p)
-    params = _params(alibi_slopes, None, floats, window_left, window_right)
+    if device_capability is None:
+        if q.device.type != "cuda":
+            return None, f"q is on {q.device.type}, not a CUDA tensor"
+        device_capability = _capability(q.device)
+    major, minor = device_capability
+    arch = f"sm{major}{minor}"
+    if (major, minor) != (9, 0):
+        return None, f"the GPU is {arch} (compute capability {major}.{minor}); the Hopper kernels need sm90"
+    if portable_only():
+        return None, "FLASHTILE_PORTABLE=1 keeps every call on the portable kernels"
+    if kernel == BWD_GLUON and deterministic:
+        return None, ("deterministic=True: the Hopper backward adds dQ up with float32 atomics in no fixed "
+                      "order; the portable backward sums every gradient in a fixed order")
+    if not params.plain:
+        return None, f"{_options_off_hopper(params)}: the Hopper kernels take plain or causal attention only"
+    if seqs is not None and seqs.paged:
+        return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
+    if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):
+        # The Gluon kernels read whole tiles past a sequence's end and mask them; slots past
+        # seqused may hold anything (NaN * 0 is NaN), so those go to the portable kernels, which do
+        # not load them. The forward reads unused query rows harmlessly (their output is selected
+        # away), the backward adds them into dK and dV (P^T dO, dS^T Q with a zero P, dS).
+        used = "seqused_k" if seqs.seqused_k is not None else "seqused_q"
+        return None, (f"{used} is set: the Hopper kernels read whole tiles past each sequence's used tokens, "
+                      "which may hold anything")
+    tensors_reason = qkv_unsupported(q, k, v)
+    if tensors_reason is not None:
+        return None, tensors_reason
+    portable = (FWD, FWD_DECODE) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
+    if any(overridden(name) for name in portable) and not overridden(kernel):
+        overrides = ", ".join(name for name in portable if overridden(name))
+        return None, f"an explicit portable config is set (configs.override of {overrides})"
+    _, _, max_seqlen_k = grid_lengths(q, k, seqs)
+    cfg = get_config(kernel, arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype, varlen=seqs is not None)
+    direction = "forward" if kernel == FWD_GLUON else "backward"
+    mask = "causal" if params.causal else "full"
+    if cfg is None:
+        layout = "packed" if seqs is not None else "dense"
+        return None, (f"the {arch} config table has no Hopper {direction} for head dim {q.shape[-1]}, {mask}, "
+                      f"{max_seqlen_k} keys, {layout} batches: the portable kernels serve these")
+    available, why = hopper_status.gluon_status()
+    if not available:
+        if warn:
+            _warn_gluon_fallback(why)
+        return None, f"the Gluon kernels are unavailable on Triton {triton.__version__}: {why}"
+    return cfg, (f"{arch}, {str(q.dtype).replace('torch.', '')}, head dim {q.shape[-1]}, {mask} attention: "
+                 f"the Hopper Gluon {direction}")
 
-    seqs: Optional[PackedSeqs] = None
-    if packed:
-        seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
-        # The kernels see a packed batch as (1, total, h, d) views (a paged cache keeps its 4 dims).
-        q = q.unsqueeze(0)
-        if block_table is None:
-            k, v = k.unsqueeze(0), v.unsqueeze(0)
 
-    arch = _arch(q, device_capability)
-    forward = _forward_choice(q, k, v, params, seqs, arch, device_capability)
-    if block_table is not None:
-        backward = PathChoice(NONE, "", None, "paged KV (block_table) serves inference: there is no backward")
+def _capability(device: torch.device) -> tuple:
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None,
+                 deterministic: bool = False) -> Optional[Config]:
+    """The config of a Hopper Gluon kernel (FWD_GLUON or BWD_GLUON) when it serves this
+    call, else None: the call runs on the portable Triton kernels (see gluon_decision)."""
+    return gluon_decision(kernel, q, k, v, params, seqs, deterministic=deterministic)[0]
+
+
+def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> None:
+    """out (b, sq, h, d) <- attention; lse (b, h, sq) float32 <- natural-log logsumexp.
+    Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``."""
+    if out.numel() == 0:
+        return
+    plan = _FORWARD_PLANS.get_or_make(_plan_key(params, seqs, q, k, v, out, lse),
+                                      lambda: _forward_plan(q, k, v, out, lse, params, seqs))
+    plan(q, k, v, out, lse, params, seqs)
+
+
+def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Callable:
+    """The launch of attention_forward for this call's signature (configs chosen, autotuned if
+    asked): a callable taking (q, k, v, out, lse, params, seqs)."""
+    _, _, max_seqlen_k = grid_lengths(q, k, seqs)
+    gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
+    if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
+        from .kernels.hopper.forward_plan import ForwardPlan
+        from .kernels.hopper.launch import GluonForward, gluon_seq_tensors
+
+        max_seqlen_q = None if seqs is None else seqs.max_seqlen_q
+
+        def plan_for(cfg):
+            return GluonForward(ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale,
+                                             params.causal, cfg, max_seqlen_q=max_seqlen_q, **gluon_seq_tensors(seqs)))
+        cfg = _tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[FWD_GLUON],
+                     lambda c: plan_for(c)(q, k, v, out, lse, params, seqs))
+        return plan_for(cfg)
+    kernel = forward_kernel(q, k, seqs)
+    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    cfg = _tuned(kernel, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
+                 lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
+    return PortableForward(q, k, v, out, lse, params, cfg, seqs)
+
+
+# Plans by call signature (kernels/plans.py): dense and packed calls of the forward, the split
+# forward, the backward, and the kv-cache update.
+_FORWARD_PLANS = PlanCache()
+
+
+_BACKWARD_PLANS = PlanCache()
+
+
+_SPLIT_FORWARD_PLANS = PlanCache()
+
+
+def _plan_key(params: ScoreParams, seqs: Optional[PackedSeqs], *tensors) -> Optional[tuple]:
+    """The plan-cache key of a call on these tensors, or None when no plan may serve it (CPU calls;
+    plans.enabled() false). It holds all that the long way reads on the host: the score options,
+    every tensor's signature (shape, strides, dtype, 16-byte alignment; the ALiBi slopes, the
+    dropout seed and the packed batch's tensors included) and the packed batch's host lengths.
+    Never the tensors' contents: a plan serves any sequence lengths under the same maxima."""
+    q = tensors[0]
+    if not q.is_cuda or not plans_enabled():
+        return None
+    key = (q.device, portable_only(), params.softmax_scale, params.softcap, params.window_left, params.window_right,
+           params.dropout_p, tensor_signature(params.alibi_slopes), tensor_signature(params.dropout_seed),
+           *(tensor_signature(t) for t in tensors))
+    if seqs is not None:
+        key += (seqs.max_seqlen_q, seqs.max_seqlen_k,
+                *(tensor_signature(t) for t in (seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q,
+                                                seqs.seqused_k, seqs.block_table, seqs.key_shift)))
+    return key
+
+
+def _tuned(kernel: str, q, params: ScoreParams, seqlen_k: int, cfg: Config, candidates: dict,
+           run: Callable[[Config], None]) -> Config:
+    """``cfg`` (the table's), or with FLASHTILE_AUTOTUNE=1 the fastest of it and ``candidates``
+    (per padded head dim) for this shape class, timed through ``run`` once and remembered on
+    disk (flashtile/autotune.py). Never replaces a config given with override()."""
+    if not autotune.enabled() or q.device.type != "cuda" or overridden(kernel):
+        return cfg
+    head_dim = q.shape[-1]
+    options = candidates.get(padded_head_dim(head_dim), {})
+    options = list(options.values()) if isinstance(options, dict) else list(options)
+    key = autotune.shape_key(kernel, q.device, arch_of(q.device), head_dim, params.causal, seqlen_k, q.dtype)
+    return autotune.choose(key, [cfg, *options], run)
+
+
+def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int) -> None:
+    """:func:`attention_forward` with the keys of each sequence split across ``num_splits`` programs
+    per query block (flash-decoding: a few long sequences with few queries fill the GPU), their
+    partial results merged by the combine kernel. Packed batches, portable kernels."""
+    if out.numel() == 0:
+        return
+    plan_key = _plan_key(params, seqs, q, k, v, out, lse)
+    plan = _SPLIT_FORWARD_PLANS.get_or_make(None if plan_key is None else (num_splits, *plan_key),
+                                            lambda: SplitForward(q, k, v, out, lse, params, seqs, num_splits))
+    plan(q, k, v, out, lse, params, seqs)
+
+
+def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
+                       deterministic: bool = False, seqs: Optional[PackedSeqs] = None) -> None:
+    """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``.
+
+    On sm90 the Gluon backward serves plain (full or causal) attention unless
+    ``deterministic``: it adds dQ up across key blocks with float32 reductions. Packed batches
+    take it too, except with seqused_q / seqused_k (see gluon_config). The portable path
+    (preprocess, dK/dV, dQ kernels) sums every gradient in a fixed order.
+    Packed batches: as :func:`attention_forward`; dk / dv rows of tokens past seqused_k
+    are not written (the caller zero-fills them).
+    """
+    if dq.numel() == 0 and dk.numel() == 0:
+        return
+    if dq.numel() == 0 or q.shape[1] == 0:
+        # No query attends: the keys and values got no gradient.
+        dk.zero_()
+        dv.zero_()
+        return
+    plan_key = _plan_key(params, seqs, q, k, v, out, dout, lse, dq, dk, dv)
+    if plan_key is not None:
+        plan_key = (deterministic, *plan_key)
+        plan = _BACKWARD_PLANS.get(plan_key)
+        if plan is not None:
+            plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
+            return
+    arch = arch_of(q.device)
+    head_dim = q.shape[3]
+    max_seqlen_k = grid_lengths(q, k, seqs)[2]
+    pre_cfg = get_config(BWD_PREPROCESS, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    gluon_cfg = gluon_config(BWD_GLUON, q, k, v, params, seqs, deterministic=deterministic)
+    if gluon_cfg is not None:
+        plan = _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params, gluon_cfg, pre_cfg, seqs)
     else:
-        backward = _backward_choice(q, k, v, params, seqs, deterministic, arch, device_capability)
-    return Explanation(_device_name(q, device_capability), forward, backward, autotune.enabled())
+        plan = _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, seqs)
+    if plan_key is not None and plan is not None:
+        _BACKWARD_PLANS.put(plan_key, plan)
 
 
-def _check_tensors(q, k, v, packed: bool, block_table, hypothetical_capability) -> None:
-    """The public entry point's tensor checks (flash_attn_func's, or flash_attn_varlen_func's)."""
+def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gluon_cfg, pre_cfg,
+                    seqs: Optional[PackedSeqs]) -> Optional[object]:
+    """attention_backward on the Hopper kernels; returns the plan when one launch on the given
+    tensors did it all (no head chunks, no copies: a plan later calls may replay)."""
+    from .kernels.hopper.backward_plan import tma_addressable
+    from .kernels.hopper.launch import GluonBackward, gluon_head_chunks
+
+    dout_given = dout
+    dout, dk, dv, copy_back = tma_addressable(dout, dk, dv)
+    # The Gluon backward adds dQ up in a float32 (b, sq, h, d) buffer: at long context, run it
+    # a few heads at a time so that buffer stays small next to the inputs and gradients.
+    nheads, nheads_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    chunks = gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim)
+    max_seqlen_k = grid_lengths(q, k, seqs)[2]
+    for h0, h1, hk0, hk1 in chunks:
+        if len(chunks) == 1:
+            chunk = (q, k, v, out, dout, lse, dq, dk, dv)
+        else:
+            chunk = (q[:, :, h0:h1], k[:, :, hk0:hk1], v[:, :, hk0:hk1], out[:, :, h0:h1], dout[:, :, h0:h1],
+                     lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
+
+        def run_gluon(cfg, chunk=chunk):
+            GluonBackward(*chunk, params, cfg, pre_cfg, seqs)(*chunk, params, seqs)
+        cfg = _tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[BWD_GLUON], run_gluon)
+        plan = GluonBackward(*chunk, params, cfg, pre_cfg, seqs)
+        plan(*chunk, params, seqs)
+    if copy_back is not None:
+        copy_back()
+    return plan if len(chunks) == 1 and dout is dout_given and copy_back is None else None
+
+
+def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg,
+                       seqs: Optional[PackedSeqs]) -> PortableBackward:
+    """attention_backward on the portable kernels; returns the plan."""
+    arch, head_dim = arch_of(q.device), q.shape[3]
+    max_seqlen_k = grid_lengths(q, k, seqs)[2]
+    dkdv_cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    dq_cfg = get_config(BWD_DQ, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
+    if autotune.enabled() and q.is_cuda:
+        prepared = []
+
+        def prepared_tensors() -> tuple:
+            # Timing a dK/dV or dQ config needs this call's delta and lse_log2 (once, and only if a
+            # config is timed: the choices are remembered on disk).
+            if not prepared:
+                delta, lse_log2 = row_stats_buffers(lse)
+                launch_preprocess(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps)
+                prepared.append((delta, portable_bwd_tensors(q, k, v, dout, lse_log2, delta, params.alibi_slopes,
+                                                              params.dropout_seed, seqs)))
+            return prepared[0]
+
+        def time_config(kernel, cfg):
+            delta, tensors = prepared_tensors()
+            grads = (dk, dv) if kernel == BWD_DKDV else (dq,)
+            portable_bwd_call(kernel, q, k, v, dout, delta, grads, params, cfg, seqs)(*tensors, *grads)
+        if k.shape[1] > 0:
+            dkdv_cfg = _tuned(BWD_DKDV, q, params, max_seqlen_k, dkdv_cfg, PORTABLE_CANDIDATES[BWD_DKDV],
+                              lambda c: time_config(BWD_DKDV, c))
+        dq_cfg = _tuned(BWD_DQ, q, params, max_seqlen_k, dq_cfg, PORTABLE_CANDIDATES[BWD_DQ],
+                        lambda c: time_config(BWD_DQ, c))
+    plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
+    plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
+    return plan
+
+
+# Programs per multiprocessor, on sm90: resident at once (the FWD_DECODE config takes 74 KB of
+# shared memory, so 3 fit; the FWD config 1) and enough to saturate memory bandwidth (2 decode
+# programs already read as fast as 3).
+_RESIDENT_PER_SM = {True: 3, False: 1}
+_SATURATING_PER_SM = {True: 2, False: 1}
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments; decoding asks once per layer and token
+def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, device: torch.device) -> int:
+    """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
+
+    Decoding streams K and V: what counts is that every multiprocessor keeps reading until the end.
+    A grid that fits at once reads at full speed once it has enough programs to saturate memory; a
+    larger one runs in waves of resident programs, and a thin last wave idles most of the GPU. Takes
+    the fewest splits within 5% of the best modelled efficiency, with at least 512 keys per split
+    (below that, merging the partial results costs more than the extra programs gain)."""
+    if device.type != "cuda":
+        return 1
+    decode = seqlen_q <= DECODE_MAX_ROWS
+    rows_per_program = 16 if decode else 128  # the FWD_DECODE / FWD query tiles
+    programs = batch * nheads * -(-seqlen_q // rows_per_program)
+    processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    resident, saturating = processors * _RESIDENT_PER_SM[decode], processors * _SATURATING_PER_SM[decode]
+
+    def efficiency(grid: int) -> float:
+        if grid <= resident:
+            return min(1.0, grid / saturating)
+        return grid / (resident * -(-grid // resident))
+    most = max(1, min(64, max_seqlen_k // 512))
+    fill = {s: efficiency(programs * s) for s in range(1, most + 1)}
+    best = max(fill.values())
+    return min(s for s, f in fill.items() if f >= 0.95 * best)
+
+
+def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                      cache_leftpad, block_table, alibi_slopes, softmax_scale: float, softcap: float, causal: int,
+                      window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
+    """The body of the ``flashtile::kvcache_fwd`` op (flash_attn_with_kvcache's arguments checked,
+    options resolved, cache_seqlens a tensor): check the contents (CPU, FLASHTILE_VALIDATE=1), write
+    the cache, choose the layout (GQA heads as rows) and the split-KV count, attend. (out, lse)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    device = q.device
+    seqlen_new = 0 if k is None else k.shape[1]
     paged = block_table is not None
-    checks.check_tensor(q, "q", 3 if packed else 4)
-    for name, t in (("k", k), ("v", v)):
-        checks.check_tensor(t, name, 4 if paged or not packed else 3)
-    try:
-        checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
-    except ValueError:
-        # With a hypothetical device the tensors stand in for it (CPU or meta tensors): only a
-        # device mismatch between them is an error then, not a device the kernels cannot run on.
-        if hypothetical_capability is None or k.device != q.device or v.device != q.device:
-            raise
-    if paged:
-        checks.check_qkv_shapes(q, k[0], v[0])  # heads and head dims; a page stands for the keys
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if block_table is None:
+        # A contiguous cache is a pool of one page per sequence: one kernel path serves both (a
+        # separate plain-rows path was not faster).
+        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32,
+                                                                                 device=device)
+        block_table = rows[:, None]
+    local = causal or window_left >= 0 or window_right >= 0
+    rotated_end = seqlen_new
+    if rotary_cos is not None and local:
+        rotated_end = max(seqlen_new, seqlen_q)
+    if validate_enabled() or device.type == "cpu":
+        checks.check_kvcache_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, k_cache.shape[0],
+                           block_table if paged else None, k_cache.shape[0],
+                           None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1), cache_leftpad)
+
+    q = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                              bool(rotary_interleaved), bool(local))
+
+    # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence.
+    seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    if cache_leftpad is not None:
+        seqlens_k = seqlens_k - cache_leftpad
+    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+        alibi_slopes = alibi_slopes.contiguous()
+    params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
+                         window_right=0 if causal else window_right, alibi_slopes=alibi_slopes)
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    # One query per sequence and GQA: the group's query heads become the rows of one kv head,
+    # so each program reads that head's keys and values once for all of them. A single query
+    # sees every key whether causal or not, so the rows need no mask between them. Rows are
+    # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
+    heads_as_rows = (seqlen_q == 1 and group > 1 and window_left < 0 and window_right < 0
+                     and alibi_slopes is None)
+    out = empty(q.shape, q.dtype, device)
+    lse = empty((batch, nheads, seqlen_q), torch.float32, device)
+    if heads_as_rows:
+        params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
+        q_rows, out_rows = (t[:, 0].unflatten(1, (nheads_k, group)).transpose(1, 2) for t in (q, out))
+        lse_rows = lse[:, :, 0].unflatten(1, (nheads_k, group))
     else:
-        checks.check_qkv_shapes(q, k, v)
-
-
-def _arch(q, hypothetical_capability) -> str:
-    if hypothetical_capability is not None:
-        return "sm{}{}".format(*hypothetical_capability)
-    return arch_of(q.device)
-
-
-def _device_name(q, hypothetical_capability) -> str:
-    if hypothetical_capability is not None:
-        major, minor = hypothetical_capability
-        return f"hypothetical sm{major}{minor} (device_capability=({major}, {minor})), tensors on {q.device}"
-    if q.device.type == "cuda":
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        major, minor = runtime.device_capability(index)
-        return f"{q.device} ({torch.cuda.get_device_name(index)}, sm{major}{minor})"
-    if interpreter_enabled():
-        return f"{q.device} (Triton interpreter)"
-    return str(q.device)
-
-
-def _not_cuda_reason(reason: str) -> str:
-    # On the CPU the interpreter runs the portable kernels: say so where it applies.
-    return f"{reason}; Triton's interpreter runs the portable kernels" if interpreter_enabled() else reason
-
-
-def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -> PathChoice:
-    """attention_forward's choice (kernels/launch.py, _forward_plan)."""
-    gluon_cfg, reason = gluon_decision(FWD_GLUON, q, k, v, params, seqs, device_capability=hypothetical_capability,
-                                       warn=False)
-    if gluon_cfg is not None:
-        return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], gluon_cfg, reason)
-    max_seqlen_k = _grid_lengths(q, k, seqs)[2]
-    cfg = get_config(forward_kernel(q, k, seqs), arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype)
-    if hypothetical_capability is None and q.device.type != "cuda":
-        reason = _not_cuda_reason(reason)
-    return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, reason)
-
-
-def _backward_choice(q, k, v, params, seqs, deterministic: bool, arch: str, hypothetical_capability) -> PathChoice:
-    """attention_backward's choice (kernels/launch.py)."""
-    gluon_cfg, reason = gluon_decision(BWD_GLUON, q, k, v, params, seqs, deterministic=bool(deterministic),
-                                       device_capability=hypothetical_capability, warn=False)
-    if gluon_cfg is not None:
-        return PathChoice(HOPPER, _BACKWARD_KERNELS[HOPPER], gluon_cfg, reason)
-    max_seqlen_k = _grid_lengths(q, k, seqs)[2]
-    configs = tuple(get_config(kernel, arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype)
-                    for kernel in (BWD_DKDV, BWD_DQ))
-    if hypothetical_capability is None and q.device.type != "cuda":
-        reason = _not_cuda_reason(reason)
-    return PathChoice(PORTABLE, _BACKWARD_KERNELS[PORTABLE], configs, reason)
+        q_rows, out_rows, lse_rows = q, out, lse
+    # The queries keep their (batch, rows) layout; the keys are read through the table of pages.
+    seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k, block_table=block_table,
+                      key_shift=cache_leftpad)
+    splits = num_splits or _auto_splits(batch, q_rows.shape[2], q_rows.shape[1], capacity, device)
+    if splits > 1:
+        attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits)
+    else:
+        attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
+    return out, lse

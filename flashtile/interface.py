@@ -9,43 +9,20 @@ Packed variants hand the packed tensor itself to the op, which takes views of it
 packed gradient: no copies on either side.
 """
 
-import math
 from typing import Optional, Tuple
 
 import torch
 
 from . import checks, ops
-
-
-def _score_options(q: torch.Tensor, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   batch: Optional[int] = None, *, deterministic=False, return_attn_probs=False) -> tuple:
-    """Check the options and flags and fold them into the ops' arguments (one place for all entry
-    points): (alibi_slopes, dropout_seed, [softmax_scale, softcap, dropout_p], window_left, window_right).
-    q: (b, s, h, d) or (total, h, d); ``batch`` overrides b for packed batches. window_size: any
-    pair of int-likes (checks.window_pair)."""
-    nheads, head_dim = q.shape[-2], q.shape[-1]
-    batch = q.shape[0] if batch is None else batch
-    window_left, window_right = checks.check_options(
-        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, batch=batch, nheads=nheads, device=q.device, deterministic=deterministic,
-        return_attn_probs=return_attn_probs)
-    dropout_seed = None
-    if dropout_p > 0:
-        # Drawn from the device's default generator outside the op (which stays a function of its
-        # inputs; the backward regenerates the mask from it): torch.manual_seed makes it
-        # reproducible, and no host sync is needed (the kernels read it on the device).
-        dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    return (alibi_slopes, dropout_seed, [scale, float(softcap), float(dropout_p)], window_left,
-            0 if causal else window_right)
+from .options import resolve_options
 
 
 def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
            return_attn_probs):
     """The dense entry points after their layout checks; k / v None mark packed layouts (ops.py)."""
-    alibi_slopes, dropout_seed, floats, window_left, window_right = _score_options(
+    alibi_slopes, dropout_seed, floats, window_left, window_right = resolve_options(
         q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic=deterministic,
-        return_attn_probs=return_attn_probs)
+        return_attn_probs=return_attn_probs).op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
     out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)

@@ -20,8 +20,7 @@ forward's mask from the saved seed.
 
 The scalar options travel as two lists, ``floats`` and ``ints`` (layouts below): torch's custom-op
 layers re-read an op's schema once per argument on each eager call (setup_context, version bumps),
-a cost that grows with the square of the argument count (~0.3 us x n^2 on the CPU measured), so
-the ops keep few arguments.
+a cost that grows with the square of the argument count, so the ops keep few arguments.
 
 Packed layouts without copies: ``k=None`` means q is qkv (.., 3, h, d), ``v=None`` means k is
 kv (.., 2, hk, d), unbound along dim -3 inside the op. The backward op then returns one gradient
@@ -34,7 +33,8 @@ import torch
 from torch import Tensor
 
 from . import checks
-from .kernels.launch import PackedSeqs, ScoreParams, attention_backward, attention_forward, attention_probs
+from .dispatch import attention_backward, attention_forward, attention_probs, kvcache_attention
+from .options import ScoreParams, packed_seqs
 from .runtime import empty, empty_like, validate_enabled
 
 
@@ -54,15 +54,6 @@ def _given(q: Tensor, k: Optional[Tensor], v: Optional[Tensor]) -> List[Tensor]:
 # floats = [softmax_scale, softcap, dropout_p] (every attention op); ints = [window_left, window_right,
 # deterministic] for the dense ops and [max_seqlen_q, max_seqlen_k, window_left, window_right,
 # deterministic] for the varlen ones. Causal is window_right = 0.
-
-
-def _params(alibi_slopes, dropout_seed, floats, window_left, window_right) -> ScoreParams:
-    softmax_scale, softcap, dropout_p = floats
-    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
-        alibi_slopes = alibi_slopes.contiguous()  # (h,) or (b, h) floats: a trivial copy
-    return ScoreParams(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
-                       window_right=window_right, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                       dropout_seed=dropout_seed if dropout_p > 0 else None)
 
 
 def _unit_last_stride(t: Tensor) -> Tensor:
@@ -87,7 +78,7 @@ def _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
     lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
-    attention_forward(q, k, v, out, lse, _params(alibi_slopes, dropout_seed, floats, ints[0], ints[1]))
+    attention_forward(q, k, v, out, lse, ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]))
     return out, lse
 
 
@@ -110,7 +101,7 @@ def _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints)
     grads = [empty_like(t) for t in _given(q, k, v)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
     attention_backward(*_unpack(q, k, v), out, _unit_last_stride(dout), lse, *grad_views,
-                       _params(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), bool(ints[2]))
+                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), bool(ints[2]))
     return grads
 
 
@@ -138,8 +129,8 @@ fwd.register_autograd(_fwd_backward, setup_context=_setup_fwd)
 
 def _eager_function(name, forward_body, setup_context, formula, backward_body):
     """An autograd.Function that runs an op's body and its registered autograd formula without the
-    custom-op layers: their host time (170-330 us of a forward + backward at a tiny shape on the
-    H200 hosts, bench/backward_host_time.py) shows at small shapes. For eager calls only."""
+    custom-op layers, whose host time is longer than the kernels' at small shapes. For eager calls
+    only."""
 
     def forward(ctx, *inputs):
         output = forward_body(*inputs)
@@ -169,12 +160,6 @@ def dense_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_s
 # Varlen (packed sequences; paged K/V for inference)
 # ---------------------------------------------------------------------------------------------
 
-def _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k) -> PackedSeqs:
-    return PackedSeqs(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-                      None if seqused_q is None else seqused_q.contiguous(),
-                      None if seqused_k is None else seqused_k.contiguous(), block_table)
-
-
 def _zero_or_empty(shape, dtype, device, zero: bool) -> Tensor:
     if zero:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -200,7 +185,7 @@ def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     if validate_enabled() or q.device.type == "cpu":
         checks.validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                         seqused_k, block_table)
-    seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
     total_q, nheads, head_dim = q.shape
     # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
     out = _zero_or_empty((total_q, nheads, head_dim), q.dtype, q.device, seqused_q is not None)
@@ -209,7 +194,7 @@ def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     # The kernels see a packed batch as (1, total, h, d) views.
     k4, v4 = (k, v) if block_table is not None else (k.unsqueeze(0), v.unsqueeze(0))
     attention_forward(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0),
-                      _params(alibi_slopes, dropout_seed, floats, window_left, window_right), seqs)
+                      ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right), seqs)
     return out, lse
 
 
@@ -233,14 +218,14 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor]
 def _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
                      dropout_seed, floats, ints):
     max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic = ints
-    seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, max_seqlen_q, max_seqlen_k)
+    seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, max_seqlen_q, max_seqlen_k)
     # A packed qkv has one cu_seqlens (no seqused); a packed kv follows the keys.
     zero = [seqused_q is not None, seqused_k is not None, seqused_k is not None]
     grads = [torch.zeros_like(t) if z else empty_like(t) for t, z in zip(_given(q, k, v), zero)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
     attention_backward(*(t.unsqueeze(0) for t in _unpack(q, k, v)), out.unsqueeze(0),
                        _unit_last_stride(dout).unsqueeze(0), lse.unsqueeze(0), *(g.unsqueeze(0) for g in grad_views),
-                       _params(alibi_slopes, dropout_seed, floats, window_left, window_right), bool(deterministic),
+                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right), bool(deterministic),
                        seqs)
     return grads
 
@@ -321,10 +306,10 @@ def attn_probs(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], lse: Tensor,
     ``lse``, dropped entries negated; ``floats``, ``ints`` as that forward's. Dense without cu_seqlens."""
     q, k, _ = _unpack(q, k, v)
     if cu_seqlens_q is None:
-        return attention_probs(q, k, lse, _params(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), q.dtype)
+        return attention_probs(q, k, lse, ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), q.dtype)
     max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
-    params = _params(alibi_slopes, dropout_seed, floats, window_left, window_right)
-    seqs = _seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right)
+    seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
     return attention_probs(q.unsqueeze(0), k if block_table is not None else k.unsqueeze(0), lse.unsqueeze(0),
                            params, q.dtype, seqs)
 
@@ -352,7 +337,6 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     list argument: this op runs per layer per decoded token, and its version-counter bump re-reads
     the schema per argument); floats = [softmax_scale, softcap]; ints = [causal, window_left,
     window_right, rotary_interleaved, num_splits] (the user's window: causal is not folded in)."""
-    from .kvcache import kvcache_attention  # the host logic stays with the public function (no import cycle)
 
     return kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints)
 
@@ -368,13 +352,10 @@ def kvcache_attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
                            cache_seqlens: Tensor, extras: List[Optional[Tensor]], floats: List[float],
                            ints: List[int]) -> Tuple[Tensor, Tensor]:
     """The kvcache_fwd op while torch.compile traces; in eager mode its body, called directly (the
-    custom-op layers cost about 40 us of host time per call on the H200's host, more than a short
-    cache's kernels take), with the version-counter bump of k_cache and v_cache that the op's
+    custom-op layers cost more host time per call than a short cache's kernels take), with the version-counter bump of k_cache and v_cache that the op's
     mutates_args would give."""
     if torch.compiler.is_compiling():
         return kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints)
-    from .kvcache import kvcache_attention
-
     result = kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints)
     for cache in (k_cache, v_cache):
         torch.autograd.graph.increment_version(cache)  # a no-op on inference-mode tensors

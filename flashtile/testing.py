@@ -5,7 +5,7 @@ twice the error that plain PyTorch makes computing the same thing in the input d
 plus a small epsilon. Errors are relative Frobenius norms, ``||x - ref|| / ||ref||``.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 

@@ -17,13 +17,12 @@ this module emits exactly the IR the direct call would):
 - ``reinterpret(buf, dtype, shape, layout)``: a shared-memory view of another type and shape
   (``buf._reinterpret`` up to 3.8, ``buf.reinterpret`` from 3.9).
 
-Host-side: the Triton version, whether the Gluon kernels can run (``gluon_status``), host tensor
+Host-side: the Triton version, whether Gluon imports (``gluon_import_error``), host tensor
 descriptors, the compiled-kernel launch that plans replay, and compiling a kernel for a target
 without a GPU (the compile checks).
 """
 
 import contextlib
-import functools
 import io
 import re
 from typing import Optional
@@ -54,8 +53,8 @@ def version_supported(version: tuple = VERSION) -> bool:
 
 # ------------------------------------------------------------------------------------------------
 # Gluon names, resolved once per process. Gluon imports without a GPU (the compile checks run on
-# CPU); if a future Triton drops a name, the kernels' modules fail to import and gluon_status()
-# says why, and dispatch keeps to the portable kernels.
+# CPU); if a future Triton drops a name, the kernels' modules fail to import and
+# kernels/hopper/status.py's gluon_status() says why, and dispatch keeps to the portable kernels.
 # ------------------------------------------------------------------------------------------------
 
 try:
@@ -94,20 +93,9 @@ if _gl is not None:
         return getattr(buf, _REINTERPRET)(dtype, shape, layout, _semantic=_semantic)
 
 
-@functools.lru_cache(maxsize=None)
-def gluon_status() -> tuple:
-    """(available, reason): whether this Triton can build the Hopper Gluon kernels, and if not,
-    why (the kernels then stay on the portable path; dispatch warns once)."""
-    if _GLUON_IMPORT_ERROR is not None:
-        return False, f"Gluon does not import on Triton {triton.__version__} ({_GLUON_IMPORT_ERROR})"
-    if not version_supported():
-        return False, (f"Triton {triton.__version__} is outside the range flashtile's Hopper kernels support "
-                       f"({SUPPORTED[0][0]}.{SUPPORTED[0][1]} to {SUPPORTED[1][0]}.{SUPPORTED[1][1]})")
-    try:
-        from .kernels import gluon_backward, gluon_forward  # noqa: F401
-    except Exception as exc:  # a Gluon name this module does not know yet
-        return False, f"the Gluon kernels do not build on Triton {triton.__version__} ({type(exc).__name__}: {exc})"
-    return True, f"Triton {triton.__version__} runs the Gluon kernels"
+def gluon_import_error() -> Optional[str]:
+    """Why Gluon itself does not import on this Triton, or None (kernels/hopper/status.py asks)."""
+    return _GLUON_IMPORT_ERROR
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import checks, ops
-from .interface import _probs, _score_options
+from .interface import _probs
+from .options import resolve_options
 
 
 def _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
@@ -42,9 +43,9 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs):
     """The varlen entry points after their checks; k / v None mark packed layouts (ops.py)."""
-    alibi_slopes, dropout_seed, floats, window_left, window_right = _score_options(
+    alibi_slopes, dropout_seed, floats, window_left, window_right = resolve_options(
         q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=cu_seqlens_q.shape[0] - 1,
-        deterministic=deterministic, return_attn_probs=return_attn_probs)
+        deterministic=deterministic, return_attn_probs=return_attn_probs).op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
     out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,

@@ -93,7 +93,7 @@ def test_window_outside_keys(dtype):
 
 
 def test_gluon_head_chunks_cover_whole_kv_groups():
-    from flashtile.kernels.launch import GLUON_DQ_CHUNK_BYTES, gluon_head_chunks
+    from flashtile.kernels.hopper.launch import GLUON_DQ_CHUNK_BYTES, gluon_head_chunks
 
     assert gluon_head_chunks(4, 4096, 16, 16, 128) == [(0, 16, 0, 16)]  # the sweep's shapes: one launch
     chunks = gluon_head_chunks(1, 131072, 16, 16, 128)  # 1 GiB of float32 dQ without chunks
@@ -109,7 +109,8 @@ def test_preprocess_zeroes_the_dq_accumulator(packed):
     """The backward preprocess (delta, lse in log2 units) zeroes the Gluon backward's float32 dQ
     accumulator in the same pass: every row of every sequence, in a poisoned buffer, head-strided
     like a head chunk; delta and lse_log2 come out as without it."""
-    from flashtile.kernels.launch import PackedSeqs, launch_preprocess, row_stats_buffers
+    from flashtile.options import PackedSeqs
+    from flashtile.kernels.portable.launch import launch_preprocess, row_stats_buffers
 
     lens = [37, 1, 90]
     batch, seqlen, nheads, head_dim = (1, sum(lens), 3, 40) if packed else (2, 113, 3, 40)
@@ -138,7 +139,7 @@ def test_preprocess_zeroes_the_dq_accumulator(packed):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_in_head_chunks(monkeypatch, dtype, nheads, nheads_k, causal):
     """The long-context memory saver (a Gluon backward per group of heads) on small shapes."""
-    from flashtile.kernels import launch
+    from flashtile.kernels.hopper import launch
 
     monkeypatch.setattr(launch, "GLUON_DQ_ACCUMULATOR_LIMIT", 0)
     monkeypatch.setattr(launch, "GLUON_DQ_CHUNK_BYTES", 1)

@@ -27,7 +27,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_choose_records_the_fastest(cache_dir):
-    slow, fast, table = KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3, True), KernelConfig(32, 32)
+    slow, fast, table = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2), KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True), KernelConfig(block_m=32, block_n=32)
     times = {table: 2.0, slow: 3.0, fast: 1.0}
     launched = []
 
@@ -52,7 +52,7 @@ def test_candidates_that_do_not_fit_are_skipped(cache_dir):
     class OutOfResources(Exception):
         pass
 
-    table, big = GluonBwdConfig(64, 2), GluonBwdConfig(64, 3)
+    table, big = GluonBwdConfig(block_m=64, num_stages=2), GluonBwdConfig(block_m=64, num_stages=3)
 
     def run(cfg):
         if cfg == big:
@@ -81,7 +81,7 @@ _WORKER = textwrap.dedent("""
     from flashtile.configs import KernelConfig
 
     worker, go = int(sys.argv[1]), Path(sys.argv[2])
-    table, other = KernelConfig(32, 32), KernelConfig(64, 64, 4, 2)
+    table, other = KernelConfig(block_m=32, block_n=32), KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     print("ready", flush=True)
     while not go.exists():
         time.sleep(0.005)
@@ -138,7 +138,7 @@ def test_a_bad_file_is_ignored_with_a_warning_and_rewritten(cache_dir, kind):
     content, problem = _BAD_FILES[kind]
     path = cache_dir / "autotune.json"
     path.write_bytes(content)
-    table, other = KernelConfig(32, 32), KernelConfig(64, 64, 4, 2)
+    table, other = KernelConfig(block_m=32, block_n=32), KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     launched = []
 
     def timer(fn):
@@ -161,7 +161,7 @@ def test_a_bad_file_is_ignored_with_a_warning_and_rewritten(cache_dir, kind):
 
         def no_timer(fn):
             raise AssertionError("timed again")
-        assert autotune.choose("good", [table, other], launched.append, no_timer) == KernelConfig(64, 32, 8, 3)
+        assert autotune.choose("good", [table, other], launched.append, no_timer) == KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
     else:
         assert sorted(recorded) == ["new"]
     autotune.forget()  # a new process reads the rewritten file without a warning

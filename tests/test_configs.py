@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func
-from flashtile.configs import (_TUNED, BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_GLUON, GluonFwdConfig,
+from flashtile.configs import (_TUNED, BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_GLUON, GLUON_CANDIDATES,
+                               GluonFwdConfig,
                                KernelConfig, override)
 from flashtile.runtime import portable_only
 from flashtile.testing import check_errors, reference_errors
@@ -14,11 +15,11 @@ from flashtile.testing import check_errors, reference_errors
 from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv
 
 C = KernelConfig
-ASYMMETRIC = [C(16, 32, 4, 1), C(32, 16, 4, 2), C(16, 64, 4, 3), C(64, 16, 2, 2),
-              C(32, 16, 4, 2, use_tma=True, warp_specialize=True), C(16, 32, 4, 3, use_tma=True)]
+ASYMMETRIC = [C(block_m=16, block_n=32, num_warps=4, num_stages=1), C(block_m=32, block_n=16, num_warps=4, num_stages=2), C(block_m=16, block_n=64, num_warps=4, num_stages=3), C(block_m=64, block_n=16, num_warps=2, num_stages=2),
+              C(block_m=32, block_n=16, num_warps=4, num_stages=2, use_tma=True, warp_specialize=True), C(block_m=16, block_n=32, num_warps=4, num_stages=3, use_tma=True)]
 if ON_GPU:
-    ASYMMETRIC += [C(32, 64, 4, 3), C(32, 128, 8, 3), C(16, 64, 4, 3), C(128, 32, 8, 3), C(64, 32, 4, 3),
-                   C(128, 128, 8, 2)]
+    ASYMMETRIC += [C(block_m=32, block_n=64, num_warps=4, num_stages=3), C(block_m=32, block_n=128, num_warps=8, num_stages=3), C(block_m=16, block_n=64, num_warps=4, num_stages=3), C(block_m=128, block_n=32, num_warps=8, num_stages=3), C(block_m=64, block_n=32, num_warps=4, num_stages=3),
+                   C(block_m=128, block_n=128, num_warps=8, num_stages=2)]
     for tables in _TUNED.values():
         for kernel, rules in tables.items():
             if kernel not in (FWD_GLUON, BWD_GLUON, BWD_PREPROCESS):
@@ -29,10 +30,8 @@ if ON_GPU:
 ON_SM90 = ON_GPU and torch.cuda.get_device_capability() == (9, 0) and not portable_only()
 GLUON_FWD, GLUON_BWD = [], []
 if ON_SM90:
-    from flashtile.kernels import gluon_backward, gluon_forward
-
-    for kernel, pairs, candidates in ((FWD_GLUON, GLUON_FWD, gluon_forward.CANDIDATES),
-                                      (BWD_GLUON, GLUON_BWD, gluon_backward.CANDIDATES)):
+    for kernel, pairs in ((FWD_GLUON, GLUON_FWD), (BWD_GLUON, GLUON_BWD)):
+        candidates = GLUON_CANDIDATES[kernel]
         pairs += [(rule.max_head_dim, rule.config) for rule in _TUNED["sm90"][kernel] if rule.config is not None]
         pairs += [(d, cfg) for d, by_name in candidates.items() for cfg in by_name.values() if (d, cfg) not in pairs]
 
@@ -61,7 +60,8 @@ def test_config_computes_the_same_function(kernel, config, causal):
 @pytest.mark.parametrize("index", range(max(len(GLUON_FWD), len(GLUON_BWD), 1)))
 def test_gluon_config(kernel, causal, seqlen_q, seqlen_k, nheads_k, index):
     """Each Gluon config, forced through the override hook, against the reference."""
-    from flashtile.kernels.launch import ScoreParams, gluon_config
+    from flashtile.options import ScoreParams
+    from flashtile.dispatch import gluon_config
 
     pairs = GLUON_FWD if kernel == FWD_GLUON else GLUON_BWD
     if index >= len(pairs):
@@ -80,9 +80,10 @@ def test_gluon_forward_lse_accuracy(dtype, row_sum_mma):
     """lse as accurate as GluonFwdConfig.row_sum_mma says: float32 row sums put it within 1e-5
     of float64; row sums on the tensor cores add P rounded to the input dtype, which moves lse by
     at most 2^-8 (bf16) / 2^-11 (fp16). Causal: its top rows, with few keys, are the worst case."""
-    from flashtile.kernels.launch import ScoreParams, gluon_config
+    from flashtile.options import ScoreParams
+    from flashtile.dispatch import gluon_config
 
-    config = GluonFwdConfig(128, 2, num_consumers=3, consumer_regs=160, loader_regs=24, row_sum_mma=row_sum_mma)
+    config = GluonFwdConfig(block_n=128, num_stages=2, num_consumers=3, consumer_regs=160, loader_regs=24, row_sum_mma=row_sum_mma)
     q, k, v = make_qkv(2, 1000, 1000, 4, 4, 64, dtype, requires_grad=False)
     with override(**{FWD_GLUON: config}):
         assert gluon_config(FWD_GLUON, q, k, v, ScoreParams(softmax_scale=0.125, window_right=0))
@@ -125,14 +126,14 @@ def test_gluon_persistent_backward_many_units(causal, seqlen_q, seqlen_k, ctas, 
     """A persistent backward with many key blocks per CTA (3 CTAs, or one per SM): the ring position,
     the dS^T buffers' phases and the K, V hand-over carry over from key block to key block, through
     ragged key blocks and query heads of a GQA group."""
-    from flashtile.kernels import gluon_backward
+    from flashtile.kernels.hopper import backward_plan
 
     if index >= len(PERSISTENT_BWD):
         pytest.skip("no such config")
     head_dim, config = PERSISTENT_BWD[index]
     if ctas is not None:
         # Plans are off under override(), so the next backward builds its grid with this SM count.
-        monkeypatch.setattr(gluon_backward, "multiprocessors", lambda device: ctas)
+        monkeypatch.setattr(backward_plan, "multiprocessors", lambda device: ctas)
     q, k, v = make_qkv(6, seqlen_q, seqlen_k, 16, 4, head_dim, torch.bfloat16)
     with override(bwd_gluon=config):
         check_against_reference(flash_attn_func, q, k, v, causal=causal)
@@ -141,10 +142,10 @@ def test_gluon_persistent_backward_many_units(causal, seqlen_q, seqlen_k, ctas, 
 def test_gluon_forward_register_cap():
     """ctas_per_sm > 1 caps registers per thread so that many CTAs fit an SM's 64K, and a
     consumer / loader split that does not fit the cap is refused before anything compiles."""
-    from flashtile.kernels.gluon_forward import register_cap
+    from flashtile.kernels.hopper.forward_plan import register_cap
 
-    assert register_cap(GluonFwdConfig(128, 2)) == {}
-    one_consumer = GluonFwdConfig(64, 2, num_consumers=1, consumer_regs=136, loader_regs=24, ctas_per_sm=3)
+    assert register_cap(GluonFwdConfig(block_n=128, num_stages=2)) == {}
+    one_consumer = GluonFwdConfig(block_n=64, num_stages=2, num_consumers=1, consumer_regs=136, loader_regs=24, ctas_per_sm=3)
     assert register_cap(one_consumer) == {"maxnreg": 80}  # 3 CTAs x 256 threads x 80 <= 65536
     with pytest.raises(ValueError, match="3 CTAs per SM leave 80 registers"):
-        register_cap(GluonFwdConfig(64, 2, num_consumers=1, consumer_regs=144, loader_regs=24, ctas_per_sm=3))
+        register_cap(GluonFwdConfig(block_n=64, num_stages=2, num_consumers=1, consumer_regs=144, loader_regs=24, ctas_per_sm=3))

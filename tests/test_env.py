@@ -16,9 +16,11 @@ import triton
 
 import flashtile
 from flashtile import triton_compat
+from flashtile.kernels.hopper import status as hopper_status
 from flashtile.configs import FWD_GLUON, GluonBwdConfig, GluonFwdConfig
-from flashtile.kernels import launch
-from flashtile.kernels.launch import ScoreParams, gluon_config, gluon_decision
+from flashtile import dispatch
+from flashtile.dispatch import gluon_config, gluon_decision
+from flashtile.options import ScoreParams
 
 from _cases import DEVICE, ON_GPU
 
@@ -31,10 +33,10 @@ def _hopper_possible(monkeypatch):
     # Decide as on a Triton that runs Gluon, whatever this one and the environment say; every test
     # starts with the once-per-process fallback warning not yet given.
     monkeypatch.delenv("FLASHTILE_PORTABLE", raising=False)
-    monkeypatch.setattr(triton_compat, "gluon_status", lambda: (True, "a test's stand-in"))
-    launch.reset_gluon_fallback_warning()
+    monkeypatch.setattr(hopper_status, "gluon_status", lambda: (True, "a test's stand-in"))
+    dispatch.reset_gluon_fallback_warning()
     yield
-    launch.reset_gluon_fallback_warning()
+    dispatch.reset_gluon_fallback_warning()
 
 
 def _dense(dtype=torch.bfloat16, head_dim=128, nheads=4, nheads_k=2, seqlen=64):
@@ -175,7 +177,7 @@ def test_explain_flashtile_portable(monkeypatch):
 
 
 def test_explain_gluon_unavailable(monkeypatch):
-    monkeypatch.setattr(triton_compat, "gluon_status", lambda: UNAVAILABLE)
+    monkeypatch.setattr(hopper_status, "gluon_status", lambda: UNAVAILABLE)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # explain reports the fallback; it does not warn
         explanation = flashtile.explain(*_dense(), causal=True, device_capability=SM90)
@@ -217,7 +219,7 @@ def _plain_causal():
 
 
 def test_gluon_unavailable_warns_once_and_falls_back(monkeypatch):
-    monkeypatch.setattr(triton_compat, "gluon_status", lambda: UNAVAILABLE)
+    monkeypatch.setattr(hopper_status, "gluon_status", lambda: UNAVAILABLE)
     q, k, v, params = _plain_causal()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -231,7 +233,7 @@ def test_gluon_unavailable_warns_once_and_falls_back(monkeypatch):
 
 
 def test_no_fallback_warning_off_the_hopper_path(monkeypatch):
-    monkeypatch.setattr(triton_compat, "gluon_status", lambda: UNAVAILABLE)
+    monkeypatch.setattr(hopper_status, "gluon_status", lambda: UNAVAILABLE)
     q, k, v, _ = _plain_causal()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

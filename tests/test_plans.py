@@ -8,16 +8,19 @@ import torch
 
 from flashtile import flash_attn_func, triton_compat
 from flashtile.configs import BWD_GLUON, FWD_GLUON, override, table_config
-from flashtile.kernels import launch, plans
+from flashtile import dispatch, options
+from flashtile.kernels import plans
+from flashtile.kernels.hopper import launch as hopper_launch
+from flashtile.kernels.portable import launch as portable_launch
 
 from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv, randn
 
 
-_CACHES = (launch._FORWARD_PLANS, launch._BACKWARD_PLANS, launch._SPLIT_FORWARD_PLANS, launch._KVCACHE_UPDATE_PLANS)
+_CACHES = (dispatch._FORWARD_PLANS, dispatch._BACKWARD_PLANS, dispatch._SPLIT_FORWARD_PLANS, portable_launch._KVCACHE_UPDATE_PLANS)
 
 
 def _plan_counts():
-    return len(launch._FORWARD_PLANS.plans), len(launch._BACKWARD_PLANS.plans)
+    return len(dispatch._FORWARD_PLANS.plans), len(dispatch._BACKWARD_PLANS.plans)
 
 
 @pytest.fixture
@@ -74,8 +77,8 @@ def test_kvcache_calls_replay_with_other_lengths(fresh_plans, layout, num_splits
 
     for lengths in ((5, 0, 70), (90, 17, 1), (0, 0, 0)):
         run_kvcache_case(torch.bfloat16, layout, 1, 1, True, "interleaved", num_splits=num_splits, lengths=lengths)
-        forward_plans = len(launch._SPLIT_FORWARD_PLANS.plans if num_splits > 1 else launch._FORWARD_PLANS.plans)
-        assert (forward_plans, len(launch._KVCACHE_UPDATE_PLANS.plans)) == (1, 1)
+        forward_plans = len(dispatch._SPLIT_FORWARD_PLANS.plans if num_splits > 1 else dispatch._FORWARD_PLANS.plans)
+        assert (forward_plans, len(portable_launch._KVCACHE_UPDATE_PLANS.plans)) == (1, 1)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="plans serve CUDA calls only")
@@ -120,7 +123,7 @@ def test_plans_off_and_overrides_bypass_them(fresh_plans, monkeypatch):
     q, k, v = make_qkv(2, 300, 300, 4, 4, 64, torch.float16, requires_grad=False)
     with_plans = [flash_attn_func(q, k, v, causal=True) for _ in range(2)]
     monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
-    launch._FORWARD_PLANS.clear()
+    dispatch._FORWARD_PLANS.clear()
     without = flash_attn_func(q, k, v, causal=True)
     assert _plan_counts() == (0, 0)
     monkeypatch.delenv("FLASHTILE_LAUNCH_PLANS")
@@ -222,32 +225,32 @@ def test_plans_keep_no_tensor_alive():
     import gc
     import weakref
 
-    from flashtile.kernels import gluon_backward, gluon_forward
+    from flashtile.kernels.hopper import backward_plan, forward_plan
 
     dtype = torch.float16
     q, k, v = (torch.randn(2, 256, 2, 64, dtype=dtype) for _ in range(3))
     out, dout, dq, dk, dv = (torch.randn_like(q) for _ in range(5))
     lse = torch.randn(2, 2, 256)
-    delta, lse_log2 = launch.row_stats_buffers(lse)
-    dq_acc = gluon_backward.dq_accumulator(q)
-    params = launch.ScoreParams(softmax_scale=0.125, window_right=0)
+    delta, lse_log2 = portable_launch.row_stats_buffers(lse)
+    dq_acc = backward_plan.dq_accumulator(q)
+    params = options.ScoreParams(softmax_scale=0.125, window_right=0)
     # A decoding call's split forward over a paged cache (q: one row per sequence).
     q1, out1, lse1 = q[:, :1], out[:, :1], lse[:, :, :1]
-    seqs = launch.PackedSeqs(None, None, 1, 256, seqused_k=torch.tensor([100, 256], dtype=torch.int32),
+    seqs = options.PackedSeqs(None, None, 1, 256, seqused_k=torch.tensor([100, 256], dtype=torch.int32),
                              block_table=torch.tensor([[0], [1]], dtype=torch.int32))
     tensors = (q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc, seqs.seqused_k, seqs.block_table)
     refs = [weakref.ref(t) for t in tensors]
     portable = [table_config(name, "interpreter", 64) for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")]
     built = [
-        gluon_forward.ForwardPlan(q, k, v, out, lse, 0.125, True, table_config(FWD_GLUON, "sm90", 64, False, 256)),
-        gluon_backward.BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, 0.125, True,
+        forward_plan.ForwardPlan(q, k, v, out, lse, 0.125, True, table_config(FWD_GLUON, "sm90", 64, False, 256)),
+        backward_plan.BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, 0.125, True,
                                     table_config(BWD_GLUON, "sm90", 64, True, 256), max_seqlen_k=256),
-        launch.GluonBackward(q, k, v, out, dout, lse, dq, dk, dv, params, table_config(BWD_GLUON, "sm90", 64, True, 256),
+        hopper_launch.GluonBackward(q, k, v, out, dout, lse, dq, dk, dv, params, table_config(BWD_GLUON, "sm90", 64, True, 256),
                              portable[0]),
-        launch.PortableForward(q, k, v, out, lse, params, table_config("fwd", "interpreter", 64)),
-        launch.PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, *portable),
-        launch.preprocess_call(out, dout, lse, delta, lse_log2, zero=dq_acc),
-        launch.SplitForward(q1, k, v, out1, lse1, params, seqs, 4),
+        portable_launch.PortableForward(q, k, v, out, lse, params, table_config("fwd", "interpreter", 64)),
+        portable_launch.PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, *portable),
+        portable_launch.preprocess_call(out, dout, lse, delta, lse_log2, zero=dq_acc),
+        portable_launch.SplitForward(q1, k, v, out1, lse1, params, seqs, 4),
     ]
     del q, k, v, out, dout, dq, dk, dv, lse, delta, lse_log2, dq_acc, tensors, q1, out1, lse1, seqs
     gc.collect()
@@ -260,24 +263,24 @@ def test_portable_backward_plan_on_fresh_tensors():
     same signature: what the long way (attention_backward without a plan) gives, bit for bit. Runs
     the real kernels (through the interpreter on the CPU)."""
     dtype = torch.float16 if ON_GPU else torch.float32
-    params = launch.ScoreParams(softmax_scale=0.125, window_left=20, window_right=0)
+    params = options.ScoreParams(softmax_scale=0.125, window_left=20, window_right=0)
 
     def call():
         q, k, v = make_qkv(2, 77, 77, 2, 1, 32, dtype, requires_grad=False)
         out, lse = torch.empty_like(q), torch.empty(2, 2, 77, device=q.device)
-        launch.attention_forward(q, k, v, out, lse, params)
+        dispatch.attention_forward(q, k, v, out, lse, params)
         return q, k, v, out, randn(*q.shape, dtype=dtype), lse, torch.empty_like(q), torch.empty_like(k), \
             torch.empty_like(v)
 
     first = call()
-    arch = "interpreter" if not ON_GPU else launch.arch_of(first[0].device)
+    arch = "interpreter" if not ON_GPU else dispatch.arch_of(first[0].device)
     configs = [table_config(name, arch, 32, seqlen_k=77) for name in ("bwd_preprocess", "bwd_dkdv", "bwd_dq")]
-    plan = launch.PortableBackward(*first, params, *configs)
+    plan = portable_launch.PortableBackward(*first, params, *configs)
     second = call()
     plan(*second, params)
     expected = [torch.empty_like(t) for t in second[-3:]]
     with override(bwd_gluon=None):  # plans are off inside override(): the long way, same kernels and configs
-        launch.attention_backward(*second[:6], *expected, params, deterministic=True)
+        dispatch.attention_backward(*second[:6], *expected, params, deterministic=True)
     for got, want in zip(second[-3:], expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 

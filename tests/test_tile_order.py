@@ -11,7 +11,8 @@ import triton.language as tl
 
 from flashtile import flash_attn_func
 from flashtile.configs import FWD_GLUON, override, table_config
-from flashtile.kernels.tile_order import grouped_tile_order, heads_per_group
+from flashtile.kernels.hopper.forward_plan import heads_per_group
+from flashtile.kernels.hopper.tile_order import grouped_tile_order
 from flashtile.runtime import portable_only
 
 from _cases import DEVICE, ON_GPU, check_against_reference, make_qkv

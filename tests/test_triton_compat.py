@@ -9,6 +9,7 @@ import triton
 
 from flashtile import runtime, triton_compat
 from flashtile.kernels import plans
+from flashtile.kernels.hopper import status as hopper_status
 
 
 def test_version_parsing_and_range():
@@ -47,7 +48,7 @@ def test_gluon_names_are_builtins_of_this_triton():
 
 
 def test_gluon_status_on_this_triton():
-    available, reason = triton_compat.gluon_status()
+    available, reason = hopper_status.gluon_status()
     assert available, reason
     assert triton.__version__ in reason
 
@@ -57,15 +58,17 @@ def test_gluon_status_names_the_failure(monkeypatch):
     once and keeps to the portable kernels; tests/test_env.py covers that side)."""
     import flashtile.kernels
 
-    triton_compat.gluon_status.cache_clear()
-    monkeypatch.setitem(sys.modules, "flashtile.kernels.gluon_forward", None)  # import fails
-    monkeypatch.delattr(flashtile.kernels, "gluon_forward", raising=False)
+    hopper_status.gluon_status.cache_clear()
+    import flashtile.kernels.hopper
+
+    monkeypatch.setitem(sys.modules, "flashtile.kernels.hopper.forward", None)  # import fails
+    monkeypatch.delattr(flashtile.kernels.hopper, "forward", raising=False)
     try:
-        available, reason = triton_compat.gluon_status()
+        available, reason = hopper_status.gluon_status()
         assert not available
-        assert triton.__version__ in reason and "gluon_forward" in reason
+        assert triton.__version__ in reason and "hopper.forward" in reason
     finally:
-        triton_compat.gluon_status.cache_clear()
+        hopper_status.gluon_status.cache_clear()
 
 
 def test_host_descriptors_keep_their_fields():
@@ -80,7 +83,7 @@ def test_host_descriptors_keep_their_fields():
 def test_every_launch_passes_the_launch_options():
     """CompiledCall (every planned launch) adds LAUNCH_OPTIONS: FP fusion on, whatever the default
     of the Triton in use."""
-    from flashtile.kernels.backward import attn_bwd_preprocess_kernel
+    from flashtile.kernels.portable.backward import attn_bwd_preprocess_kernel
 
     assert triton_compat.LAUNCH_OPTIONS == {"enable_fp_fusion": True}
     names = plans._signature(attn_bwd_preprocess_kernel).names

@@ -30,8 +30,9 @@ import torch
 from torch import Tensor
 
 from .. import checks, ops
-from ..interface import _probs, _score_options
-from ..kernels.launch import attention_backward
+from ..interface import _probs
+from ..options import ScoreParams, resolve_options
+from ..dispatch import attention_backward
 from ..varlen import _check_inputs as _check_varlen_inputs
 
 
@@ -116,14 +117,14 @@ def _backward_body(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens
     if cu_seqlens_q is None:
         window_left, window_right, deterministic = ints
         attention_backward(q, k, v, out, dout, lse, dq, dk, dv,
-                           ops._params(alibi_slopes, dropout_seed, floats, window_left, window_right),
+                           ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right),
                            bool(deterministic))
         return
     max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic = ints
     seqs = ops._seqs(cu_seqlens_q, cu_seqlens_k, None, None, None, max_seqlen_q, max_seqlen_k)
     # The kernels see a packed batch as (1, total, h, d) views, as in ops.varlen_bwd.
     attention_backward(*(t.unsqueeze(0) for t in (q, k, v, out, dout, lse, dq, dk, dv)),
-                       ops._params(alibi_slopes, dropout_seed, floats, window_left, window_right),
+                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right),
                        bool(deterministic), seqs)
 
 
@@ -165,9 +166,9 @@ def _flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softm
         checks.check_tensor(t, name, 4)
     checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
     checks.check_qkv_shapes(q, k, v)
-    alibi_slopes, dropout_seed, floats, window_left, window_right = _score_options(
+    alibi_slopes, dropout_seed, floats, window_left, window_right = resolve_options(
         q, dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap, alibi_slopes,
-        return_attn_probs=return_softmax)
+        return_attn_probs=return_softmax).op_args()
     ints = [window_left, window_right, 0]
     with torch.no_grad():
         out, lse = ops.dense_attention(q, k, v, alibi_slopes, dropout_seed, floats, ints)
@@ -192,9 +193,9 @@ def _flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     _check_lse(softmax_lse, (q.shape[0], q.shape[2], q.shape[1]), q.device)
     checks.check_dropout_p(dropout_p)
     # Dropout 0 here draws no seed; the forward's comes from rng_state.
-    alibi_slopes, _, floats, window_left, window_right = _score_options(
+    alibi_slopes, _, floats, window_left, window_right = resolve_options(
         q, 0.0, softmax_scale, causal, (window_size_left, window_size_right), softcap, alibi_slopes,
-        deterministic=deterministic)
+        deterministic=deterministic).op_args()
     floats[2] = float(dropout_p)
     dq, dk, dv = _grad_buffers(dq, dk, dv, q, k, v)
     dout = _unit_last_stride(dout)
@@ -223,9 +224,9 @@ def _flash_attn_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
     checks.check_flag(zero_tensors, "zero_tensors")  # nothing to zero: every output row is written
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, seqused_k,
                          block_table)
-    alibi_slopes, dropout_seed, floats, window_left, window_right = _score_options(
+    alibi_slopes, dropout_seed, floats, window_left, window_right = resolve_options(
         q, dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap, alibi_slopes,
-        batch=cu_seqlens_q.shape[0] - 1, return_attn_probs=return_softmax)
+        batch=cu_seqlens_q.shape[0] - 1, return_attn_probs=return_softmax).op_args()
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, 0]
     with torch.no_grad():
         out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, seqused_k, block_table,
@@ -251,9 +252,9 @@ def _flash_attn_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
     _check_like(_unit_last_stride(dout), "dout", q, "q")
     _check_lse(softmax_lse, (q.shape[1], q.shape[0]), q.device)
     checks.check_dropout_p(dropout_p)
-    alibi_slopes, _, floats, window_left, window_right = _score_options(  # dropout 0: no seed drawn
+    alibi_slopes, _, floats, window_left, window_right = resolve_options(  # dropout 0: no seed drawn
         q, 0.0, softmax_scale, causal, (window_size_left, window_size_right), softcap, alibi_slopes,
-        batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic)
+        batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic).op_args()
     floats[2] = float(dropout_p)
     dq, dk, dv = _grad_buffers(dq, dk, dv, q, k, v)
     dout = _unit_last_stride(dout)

@@ -279,7 +279,7 @@ def _seed_of(rng_state, dropout_p) -> Optional[torch.Tensor]:
 
 
 def _params(head_dim, scale, is_causal, window_left, window_right, dropout_p, seed):
-    from ..kernels.launch import ScoreParams
+    from ..options import ScoreParams
 
     left, right = _window(is_causal, window_left, window_right)
     softmax_scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
@@ -288,7 +288,7 @@ def _params(head_dim, scale, is_causal, window_left, window_right, dropout_p, se
 
 
 def _seqs(a: dict, with_pages: bool):
-    from ..kernels.launch import PackedSeqs
+    from ..options import PackedSeqs
 
     seqused_k = a.get("seqused_k")
     return PackedSeqs(a["cum_seq_q"].contiguous(), a["cum_seq_k"].contiguous(), int(a["max_q"]), int(a["max_k"]),
@@ -304,7 +304,7 @@ def _output_like(query: torch.Tensor) -> torch.Tensor:
 
 def _run_forward(a: dict, out: torch.Tensor) -> tuple:
     """Attention of a's flash-layout q, k, v into ``out``: (lse, rng_state)."""
-    from ..kernels.launch import attention_forward
+    from ..dispatch import attention_forward
 
     q, k, v = (_unit_last(a[name]) for name in ("query", "key", "value"))
     dropout_p = float(a["dropout_p"])
@@ -333,7 +333,7 @@ def _run_forward(a: dict, out: torch.Tensor) -> tuple:
 
 def _run_backward(a: dict) -> tuple:
     """dq, dk, dv (each like its input) for a's flash-layout tensors."""
-    from ..kernels.launch import attention_backward
+    from ..dispatch import attention_backward
 
     q, k, v, out, dout = (_unit_last(a[name]) for name in ("query", "key", "value", "out", "grad_out"))
     lse = a["logsumexp"].contiguous()

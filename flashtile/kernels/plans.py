@@ -1,9 +1,8 @@
 """Launch plans: a call's host work done once per call signature.
 
-At seqlen ~1k an attention kernel runs for 100-300 us, and the host work in front of it (picking
-the path and config, building grids and descriptors, Triton binding and specialising every
-argument) used to take 90 us for the Hopper forward and 270 us for the backward's three launches
-on the H200 hosts: on a slower host draw the GPU waited for it. Everything in that work but the
+At short sequences an attention kernel runs for a few hundred microseconds, and the host work in
+front of it (picking the path and config, building grids and descriptors, Triton binding and
+specialising every argument) took about as long: the GPU waited for the host. Everything in that work but the
 tensors' addresses is fixed by the call's *signature*: shapes, strides, dtypes, device, options
 and which pointers are 16-byte aligned (what Triton specialises on), and for packed batches and kv
 caches the host maxima (max_seqlen_q / max_seqlen_k), never the lengths the device tensors hold.

@@ -34,8 +34,6 @@ columns come out zero) and stores clip them; the ragged-tile register store mask
 S product skips the all-zero last 64 columns. d64/d128/d256 compile to the same code as before.
 """
 
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,68 +44,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..triton_compat import reinterpret, tma_load, tma_store
-from .hopper import HEAD_DIMS, DescriptorTemplate, multiprocessors, qkv_supported  # noqa: F401 (HEAD_DIMS re-exported)
-from .plans import CompiledCall
-from .tile_order import grouped_tile_order, heads_per_group
-from ..configs import GluonFwdConfig, padded_head_dim
-
-LOG2E = 1.4426950408889634
+from ...triton_compat import reinterpret, tma_load, tma_store
+from .tile_order import grouped_tile_order
 
 # wgmma's M per warpgroup; each consumer warpgroup owns this many query rows.
 ROWS_PER_CONSUMER = 64
-
-# The tuned choice per (head dim, causal, seqlen) is in flashtile/configs.py (FWD_GLUON).
-# Head dims 96 and 192 run the d128 and d256 kernels with tiles of the padded width (see
-# make_launcher): a third / a quarter of the matmul work is spent on zero columns.
-
-# Alternatives the probe (bench/gluon_fwd_probe.py) times against the defaults; all compile for
-# sm90 without spills.
-CANDIDATES = {
-    64: {
-        "c2_n128_s3": GluonFwdConfig(128, 3, 2, 240, 40, False),
-        "c2_n128_s3_pp": GluonFwdConfig(128, 3, 2, 240, 40, True),
-        "c3_n128_s2": GluonFwdConfig(128, 2, 3, 160, 24, False),
-        "c3_n128_s2_pp": GluonFwdConfig(128, 2, 3, 160, 24, True),
-        # Persistent (one CTA per SM looping over tiles).
-        "c2_n128_s3_pp_persist": GluonFwdConfig(128, 3, 2, 240, 40, True, True),
-        "c3_n128_s2_persist": GluonFwdConfig(128, 2, 3, 160, 24, False, True),
-        "c3_n128_s2_pp_persist": GluonFwdConfig(128, 2, 3, 160, 24, True, True),
-        "c2_n64_s4_pp_persist": GluonFwdConfig(64, 4, 2, 240, 40, True, True),
-        "c3_n64_s4_pp_persist": GluonFwdConfig(64, 4, 3, 160, 24, True, True),
-        # Row sums on the tensor cores (the table's choices at d64).
-        "c2_n128_s3_pp_persist_rs": GluonFwdConfig(128, 3, 2, 240, 40, True, True, True),
-        "c2_n128_s3_persist_rs": GluonFwdConfig(128, 3, 2, 240, 40, False, True, True),
-        "c3_n128_s2_rs": GluonFwdConfig(128, 2, 3, 160, 24, False, False, True),
-        "c3_n128_s2_pp_rs": GluonFwdConfig(128, 2, 3, 160, 24, True, False, True),
-        # Causal: half-width products on the diagonal block (GluonFwdConfig.trim_diagonal).
-        "c2_n128_s3_pp_persist_rs_trim": GluonFwdConfig(128, 3, 2, 240, 40, True, True, True, True),
-        "c3_n128_s2_persist_rs_trim": GluonFwdConfig(128, 2, 3, 160, 24, False, True, True, True),
-        # Four consumers (256-row tiles) fit 112 registers with 64-key blocks (120 spills more).
-        "c4_n64_s4_persist_rs": GluonFwdConfig(64, 4, 4, 112, 24, False, True, True),
-        "c4_n64_s4_rs_own": GluonFwdConfig(64, 4, 4, 112, 24, False, False, True, own_key_range=True),
-        "c4_n64_s10_persist_rs_own": GluonFwdConfig(64, 10, 4, 112, 24, False, True, True, own_key_range=True),
-        # One consumer warpgroup per CTA, three CTAs per SM (GluonFwdConfig.ctas_per_sm): the table's
-        # causal choice below 2k keys, its three-stage twin and the per-tile grid.
-        "c1_n64_s2_persist_rs_x3": GluonFwdConfig(64, 2, 1, 136, 24, False, True, True, ctas_per_sm=3),
-        "c1_n64_s3_persist_rs_x3": GluonFwdConfig(64, 3, 1, 136, 24, False, True, True, ctas_per_sm=3),
-        "c1_n64_s4_rs_x3": GluonFwdConfig(64, 4, 1, 136, 24, False, False, True, ctas_per_sm=3),
-    },
-    128: {
-        "c2_n128_s2": GluonFwdConfig(128, 2, 2, 240, 40, False),
-        "c2_n128_s2_pp": GluonFwdConfig(128, 2, 2, 240, 40, True),
-        "c2_n128_s3": GluonFwdConfig(128, 3, 2, 240, 40, False),
-        "c2_n128_s3_pp": GluonFwdConfig(128, 3, 2, 240, 40, True),
-        "c2_n64_s4": GluonFwdConfig(64, 4, 2, 240, 40, False),
-        "c2_n128_s2_pp_persist": GluonFwdConfig(128, 2, 2, 240, 40, True, True),
-        "c2_n128_s2_persist": GluonFwdConfig(128, 2, 2, 240, 40, False, True),
-    },
-    256: {
-        "c2_n64_s2": GluonFwdConfig(64, 2, 2, 240, 40, False),
-        "c2_n64_s2_pp": GluonFwdConfig(64, 2, 2, 240, 40, True),
-    },
-}
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,8 +414,7 @@ def _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn,
            CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
            PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """O += P_last V_last once every S of the tile has retired (a persistent CTA hands Q back first).
-    (A persistent CTA issuing its next tile's S_0 together with this product measured -3..+2%:
-    bench/results/2026-11-21-h200-fwd-stream/.)"""
+    (Issuing the next tile's S_0 together with this product did not pay: docs/experiments.md.)"""
     HEAD_DIM: gl.constexpr = v_smem.shape[4]
     if PERSISTENT:
         mbarrier.arrive(q_empty.index(CONSUMER))
@@ -990,154 +930,3 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                        head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
                        IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
-
-
-# ----------------------------------------------------------------------------------------------
-# Host side
-# ----------------------------------------------------------------------------------------------
-
-def supported(q, k, v, causal) -> bool:
-    """Whether this kernel takes these tensors (see hopper.qkv_supported)."""
-    return qkv_supported(q, k, v)
-
-
-def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: bool,
-                            config: GluonFwdConfig, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                            seqused_q=None, seqused_k=None, max_seqlen_q=None) -> None:
-    """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
-
-    Dense: q, out (b, sq, h, d); k, v (b, sk, hk, d); lse (b, h, sq) float32.
-    Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, out (1, total_q, h, d),
-    k, v (1, total_k, hk, d), lse (h, total_q) float32; cu_seqlens_q / cu_seqlens_k int32 (batch + 1,)
-    prefix sums; seqused_q / seqused_k optional int32 (batch,): sequence b uses only the first
-    seqused[b] of its rows / keys; its rows past seqused_q[b] get out 0 and lse -inf (like rows that
-    see no key). max_seqlen_q (host int, at least the longest cu_seqlens_q span) sizes the grid;
-    None reads it from cu_seqlens_q (a device sync). Causal is bottom-right aligned per sequence.
-    Keys and values past a sequence's used keys (the next sequence's, or unused slots) are read and
-    masked out; they must be finite (a NaN value times probability 0 is still NaN). See supported()."""
-    _launch(q, k, v, out, lse, softmax_scale, causal, config, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q)
-
-
-def _launch(q, k, v, out, lse, softmax_scale, causal, config, **varlen):
-    """Launches and returns the compiled kernel (the probe reads its register/spill counts)."""
-    return make_launcher(q, k, v, out, lse, softmax_scale, causal, config, **varlen)()
-
-
-def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                  seqused_q=None, seqused_k=None, max_seqlen_q=None):
-    """A zero-argument launch with the TMA descriptors built once (timing without host overhead).
-    Arguments as gluon_attention_forward's."""
-    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
-    plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen)
-    descriptors = plan.descriptors(q, k, v, out)
-    return lambda: plan.launch(descriptors, out, lse, **varlen)
-
-
-def register_cap(cfg: GluonFwdConfig) -> dict:
-    """Launch options for cfg.ctas_per_sm CTAs per SM: ptxas' maxnreg, the registers per thread that
-    let that many CTAs share an SM's 64K. The loader warp's warpgroup is launched whole (setmaxnreg
-    works on warpgroups), so a CTA has num_consumers + 1 warpgroups, and their setmaxnreg split
-    (consumer_regs each, loader_regs for the loader's) must fit the cap."""
-    if cfg.ctas_per_sm == 1:
-        return {}
-    threads = 128 * (cfg.num_consumers + 1)
-    maxnreg = 65536 // (cfg.ctas_per_sm * threads) // 8 * 8  # setmaxnreg counts in steps of 8
-    if 128 * (cfg.num_consumers * cfg.consumer_regs + cfg.loader_regs) > threads * maxnreg:
-        raise ValueError(f"{cfg}: {cfg.ctas_per_sm} CTAs per SM leave {maxnreg} registers per thread, fewer than "
-                         f"the consumer_regs / loader_regs split needs")
-    return {"maxnreg": maxnreg}
-
-
-class ForwardPlan:
-    """The Gluon forward for one call signature (kernels/plans.py): grid, kernel arguments and
-    descriptor layouts worked out once; each call builds the TMA descriptors for its tensors and
-    launches the compiled kernel. Later calls must match the first one's shapes, strides, dtypes
-    and 16-byte alignment (the plan key's job). Arguments as gluon_attention_forward's."""
-
-    def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, max_seqlen_q=None):
-        batch, seqlen_q, nheads, head_dim = q.shape
-        seqlen_k, nheads_k = k.shape[1], k.shape[2]
-        cfg = config
-        assert lse.stride(-1) == 1 and out.stride(-1) == 1
-        assert not cfg.pingpong or cfg.num_consumers >= 2
-        # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
-        assert not cfg.own_key_range or not (cfg.pingpong or cfg.trim_diagonal)
-        assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
-        varlen = cu_seqlens_q is not None
-        if varlen:
-            assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
-            assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
-            assert cu_seqlens_k.numel() == cu_seqlens_q.numel() and lse.dim() == 2
-            for t in (seqused_q, seqused_k):
-                assert t is None or (t.dtype == torch.int32 and t.numel() == cu_seqlens_q.numel() - 1)
-            n_seqs = cu_seqlens_q.numel() - 1
-            if max_seqlen_q is None:
-                max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n_seqs > 0 else 0
-            # (query block, head, sequence); lse is (h, total_q), the sequence offset is added in the kernel.
-            grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, n_seqs)
-            lse_strides = (0, lse.stride(0))
-            out_strides = (out.stride(1), out.stride(2))
-            persistent = False
-        else:
-            assert cu_seqlens_k is None and seqused_q is None and seqused_k is None
-            # Query blocks of one head are adjacent in launch order so they share K/V in L2.
-            grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
-            lse_strides = (lse.stride(0), lse.stride(1))
-            out_strides = (None, None)
-            persistent = cfg.persistent
-        # Causal per-tile grids (dense) take their tiles longest first, a group of heads at a time
-        # (tile_order.py); None: one head after another (no remap compiled in).
-        group = None
-        if causal and not varlen and not persistent and cfg.heads_per_group != 1:
-            group = cfg.heads_per_group or heads_per_group(grid[0], grid[1] * grid[2], multiprocessors(q.device))
-        self.varlen = varlen
-        self.call = None
-        if min(grid) == 0:
-            return
-        if persistent:
-            # ctas_per_sm CTAs per SM (one, unless the config caps registers to fit more), each taking
-            # work units round robin: query tiles in the order above, or causal pairs of them (the
-            # kernel's _dense_units).
-            units = (triton.cdiv(grid[0], 2) if causal else grid[0]) * grid[1] * grid[2]
-            grid = (min(units, cfg.ctas_per_sm * multiprocessors(q.device)), 1, 1)
-
-        # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
-        # the tensors, whose missing columns TMA reads as zeros and never writes.
-        block_d = padded_head_dim(head_dim)
-        self.q_tiles = DescriptorTemplate(q, ROWS_PER_CONSUMER, block_d)
-        self.o_tiles = DescriptorTemplate(out, ROWS_PER_CONSUMER, block_d)
-        self.k_tiles = DescriptorTemplate(k, cfg.block_n, block_d)
-        self.v_tiles = DescriptorTemplate(v, cfg.block_n, block_d)
-        self.call = CompiledCall(
-            gluon_attn_fwd_kernel, grid,
-            (None, None, None, None, lse, *lse_strides, seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch, group,
-             softmax_scale * LOG2E, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, out if varlen else None,
-             *out_strides),
-            dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, NUM_CONSUMERS=cfg.num_consumers,
-                 CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
-                 CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
-                 ROW_SUM_MMA=cfg.row_sum_mma,
-                 TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
-                 OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
-                 num_warps=4, **register_cap(cfg)),
-            slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k", "o_ptr"))
-
-    def descriptors(self, q, k, v, out) -> tuple:
-        """The TMA descriptors of one call's tensors (q, k, v, o order)."""
-        return self.q_tiles(q), self.k_tiles(k), self.v_tiles(v), self.o_tiles(out)
-
-    def launch(self, descriptors, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-               seqused_k=None):
-        """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
-        if self.call is None:
-            return None
-        return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         out if self.varlen else None)
-
-    def __call__(self, q, k, v, out, lse, **varlen):
-        if self.call is None:
-            return None
-        return self.launch(self.descriptors(q, k, v, out), out, lse, **varlen)

@@ -7,16 +7,15 @@ and short alike, and SMs that are done wait for the last long ones. Ordering a g
 together (every head's longest tile, then every head's second longest, ...) ends the grid on the
 group's shortest tiles; groups stay small so that the heads in flight share their K/V in L2.
 
-Where it is used (measured on the H200, bench/results/2026-11-21-h200-tile-order/): the Gluon
-forward's per-tile causal grid at head dim 256 (one CTA per SM, few tiles per head): +1.5-4% at
-1k-16k keys. It lost elsewhere: the Gluon forward at head dims 64 / 128 (-1 to -5%); the portable
-forward (several CTAs share an SM, so its tail costs less: even); the Gluon backward (the remapped
-indices cost its consumer warpgroups registers they do not have: -2 to -5%), which instead swaps
-its grid's first two axes where that pays (GluonBwdConfig.heads_first).
+Where it is used: the Gluon forward's per-tile causal grid at head dim 256 (one CTA per SM, few
+tiles per head, so the tail matters). It lost elsewhere (docs/experiments.md): the Gluon forward
+at head dims 64 / 128; the portable forward (several CTAs share an SM, so its tail costs less); the
+Gluon backward (the remapped indices cost its consumer warpgroups registers they do not have),
+which instead swaps its grid's first two axes where that pays (GluonBwdConfig.heads_first).
 
 Kernels keep their (tile, head, batch) grids and remap their program ids with
 :func:`grouped_tile_order` (a scalar helper that Triton and Gluon kernels can both call); the
-host picks the group with :func:`heads_per_group`.
+host picks the group with forward_plan.heads_per_group.
 """
 
 import triton
@@ -42,10 +41,3 @@ def grouped_tile_order(tile, head, batch, n_tiles, nheads, n_batch, heads_per_gr
     offset = tl.where(in_short, program, rest - group * group_programs)
     pair = first_pair + offset % pairs
     return offset // pairs, pair % nheads, pair // nheads
-
-
-def heads_per_group(n_tiles: int, pairs: int, resident_ctas: int, factor: int = 1) -> int:
-    """Group size for a causal grid of n_tiles tiles per (batch, head) pair: enough heads that a
-    group holds about ``factor`` times the CTAs that run at once, so that the group's longest
-    tiles start together and its shortest end the grid."""
-    return max(1, min(pairs, -(-factor * resident_ctas // max(n_tiles, 1))))

@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from ..runtime import device_capability, multiprocessor_count
-from ..triton_compat import gluon_tensor_descriptor, tensor_descriptor
+from ...runtime import device_capability, multiprocessor_count
+from ...triton_compat import gluon_tensor_descriptor, tensor_descriptor
 
 FLOAT16_TYPES = (torch.bfloat16, torch.float16)
 

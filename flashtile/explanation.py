@@ -1,0 +1,190 @@
+"""Which kernels a call runs, and why: :func:`explain`.
+
+A call on sm90 runs the Hopper Gluon kernels when they serve its shape and options, else the
+portable Triton kernels; flashtile/dispatch.py's gluon_decision holds the rules and the reasons, and
+:func:`explain` asks it exactly as the launch path does, without launching anything.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from . import autotune, checks, runtime
+from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config
+from .dispatch import forward_kernel, gluon_decision
+from .options import PackedSeqs, grid_lengths, packed_seqs, resolve_options
+from .runtime import arch_of, interpreter_enabled
+from .varlen import _check_layout
+
+HOPPER, PORTABLE, NONE = "hopper", "portable", "none"
+
+_FORWARD_KERNELS = {HOPPER: "gluon_attn_fwd_kernel", PORTABLE: "attn_fwd_kernel"}
+_BACKWARD_KERNELS = {
+    HOPPER: "attn_bwd_preprocess_kernel + gluon_attn_bwd_kernel + gluon_bwd_dq_convert_kernel",
+    PORTABLE: "attn_bwd_preprocess_kernel + attn_bwd_dkdv_kernel + attn_bwd_dq_kernel",
+}
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """One direction of a call: ``path`` "hopper" (Gluon kernels), "portable" (Triton kernels) or
+    "none" (no backward: paged KV); ``kernel`` the kernels it launches; ``config`` what the config
+    tables pick (a Gluon config, the portable forward's KernelConfig, the portable backward's
+    (dK/dV, dQ) pair); ``reason`` why this path, in the user's terms."""
+
+    path: str
+    kernel: str
+    config: Any
+    reason: str
+
+    def __str__(self) -> str:
+        lines = [f"{self.path}" + (f" ({self.kernel})" if self.kernel else "")]
+        if self.config is not None:
+            lines.append(f"  config: {self.config}")
+        lines.append(f"  reason: {self.reason}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :func:`explain` found: the device it decided for, and the forward's and backward's paths."""
+
+    device: str
+    forward: PathChoice
+    backward: PathChoice
+    autotune: bool = False
+
+    def __str__(self) -> str:
+        lines = [f"device: {self.device}", f"forward: {self.forward}", f"backward: {self.backward}"]
+        if self.autotune:
+            lines.append("note: FLASHTILE_AUTOTUNE=1 may time other configs of the same kernels on a GPU")
+        return "\n".join(lines)
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+            alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+            softmax_scale: Optional[float] = None, deterministic: bool = False,
+            cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+            max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+            seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
+            block_table: Optional[torch.Tensor] = None,
+            device_capability: Optional[Tuple[int, int]] = None) -> Explanation:
+    """Which kernels ``flash_attn_func`` (dense q, k, v of (b, s, h, d)) or ``flash_attn_varlen_func``
+    (packed (total, h, d) with cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k, optionally
+    seqused and a paged block_table) would run for these tensors and options, and why. Checks the
+    arguments as the call would (the same exceptions) and launches nothing.
+
+    ``device_capability``: (major, minor) of a CUDA device to decide for in place of the tensors'
+    own, e.g. (9, 0) to see what an H100 would run from CPU or meta tensors.
+    """
+    packed = cu_seqlens_q is not None
+    if not packed and any(t is not None for t in (cu_seqlens_k, seqused_q, seqused_k, block_table)):
+        raise ValueError("cu_seqlens_k, seqused_q, seqused_k and block_table describe a packed batch: pass "
+                         "cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k with (total, heads, head_dim) "
+                         "tensors")
+    if device_capability is not None:
+        device_capability = tuple(int(x) for x in device_capability)
+        if len(device_capability) != 2:
+            raise ValueError(f"device_capability must be (major, minor), got {device_capability!r}")
+    _check_tensors(q, k, v, packed, block_table, device_capability)
+    if packed:
+        _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                      block_table)
+    batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+    # The public API's own checks and folding (scale, causal as window_right = 0). Dropout goes in as
+    # 0 there, so that no seed is drawn: explaining must not advance the caller's random state.
+    checks.check_options(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                         softcap=softcap, alibi_slopes=alibi_slopes, batch=batch, nheads=q.shape[-2],
+                         device=q.device, deterministic=deterministic)
+    deterministic = bool(deterministic)  # checked there, as the call checks it (bools, numpy bools, 0 / 1)
+    params = resolve_options(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=batch)
+    params = dataclasses.replace(params, dropout_p=float(dropout_p))
+
+    seqs: Optional[PackedSeqs] = None
+    if packed:
+        seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+        # The kernels see a packed batch as (1, total, h, d) views (a paged cache keeps its 4 dims).
+        q = q.unsqueeze(0)
+        if block_table is None:
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+
+    arch = _arch(q, device_capability)
+    forward = _forward_choice(q, k, v, params, seqs, arch, device_capability)
+    if block_table is not None:
+        backward = PathChoice(NONE, "", None, "paged KV (block_table) serves inference: there is no backward")
+    else:
+        backward = _backward_choice(q, k, v, params, seqs, deterministic, arch, device_capability)
+    return Explanation(_device_name(q, device_capability), forward, backward, autotune.enabled())
+
+
+def _check_tensors(q, k, v, packed: bool, block_table, hypothetical_capability) -> None:
+    """The public entry point's tensor checks (flash_attn_func's, or flash_attn_varlen_func's)."""
+    paged = block_table is not None
+    checks.check_tensor(q, "q", 3 if packed else 4)
+    for name, t in (("k", k), ("v", v)):
+        checks.check_tensor(t, name, 4 if paged or not packed else 3)
+    try:
+        checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
+    except ValueError:
+        # With a hypothetical device the tensors stand in for it (CPU or meta tensors): only a
+        # device mismatch between them is an error then, not a device the kernels cannot run on.
+        if hypothetical_capability is None or k.device != q.device or v.device != q.device:
+            raise
+    if paged:
+        checks.check_qkv_shapes(q, k[0], v[0])  # heads and head dims; a page stands for the keys
+    else:
+        checks.check_qkv_shapes(q, k, v)
+
+
+def _arch(q, hypothetical_capability) -> str:
+    if hypothetical_capability is not None:
+        return "sm{}{}".format(*hypothetical_capability)
+    return arch_of(q.device)
+
+
+def _device_name(q, hypothetical_capability) -> str:
+    if hypothetical_capability is not None:
+        major, minor = hypothetical_capability
+        return f"hypothetical sm{major}{minor} (device_capability=({major}, {minor})), tensors on {q.device}"
+    if q.device.type == "cuda":
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        major, minor = runtime.device_capability(index)
+        return f"{q.device} ({torch.cuda.get_device_name(index)}, sm{major}{minor})"
+    if interpreter_enabled():
+        return f"{q.device} (Triton interpreter)"
+    return str(q.device)
+
+
+def _not_cuda_reason(reason: str) -> str:
+    # On the CPU the interpreter runs the portable kernels: say so where it applies.
+    return f"{reason}; Triton's interpreter runs the portable kernels" if interpreter_enabled() else reason
+
+
+def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -> PathChoice:
+    """attention_forward's choice (kernels/launch.py, _forward_plan)."""
+    gluon_cfg, reason = gluon_decision(FWD_GLUON, q, k, v, params, seqs, device_capability=hypothetical_capability,
+                                       warn=False)
+    if gluon_cfg is not None:
+        return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], gluon_cfg, reason)
+    max_seqlen_k = grid_lengths(q, k, seqs)[2]
+    cfg = get_config(forward_kernel(q, k, seqs), arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    if hypothetical_capability is None and q.device.type != "cuda":
+        reason = _not_cuda_reason(reason)
+    return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, reason)
+
+
+def _backward_choice(q, k, v, params, seqs, deterministic: bool, arch: str, hypothetical_capability) -> PathChoice:
+    """attention_backward's choice (kernels/launch.py)."""
+    gluon_cfg, reason = gluon_decision(BWD_GLUON, q, k, v, params, seqs, deterministic=bool(deterministic),
+                                       device_capability=hypothetical_capability, warn=False)
+    if gluon_cfg is not None:
+        return PathChoice(HOPPER, _BACKWARD_KERNELS[HOPPER], gluon_cfg, reason)
+    max_seqlen_k = grid_lengths(q, k, seqs)[2]
+    configs = tuple(get_config(kernel, arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+                    for kernel in (BWD_DKDV, BWD_DQ))
+    if hypothetical_capability is None and q.device.type != "cuda":
+        reason = _not_cuda_reason(reason)
+    return PathChoice(PORTABLE, _BACKWARD_KERNELS[PORTABLE], configs, reason)

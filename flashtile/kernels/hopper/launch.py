@@ -1,0 +1,91 @@
+"""The Hopper kernels as the dispatcher calls them: the forward plan under the dispatcher's calling
+convention, and the whole backward (the portable preprocess, which also zeroes the float32 dQ
+accumulator, then the Gluon kernel and the dQ convert), run head chunk by head chunk when the
+accumulator would be large."""
+
+from typing import Optional
+
+import torch
+
+from ...options import PackedSeqs, ScoreParams, grid_lengths
+from ..portable.launch import preprocess_call, preprocess_seq_tensors, row_stats_buffers
+from .backward_plan import BackwardPlan, done_counts_buffer, dq_accumulator
+
+
+class GluonForward:
+    """forward_plan.ForwardPlan called as attention_forward's plans are: packed batches pass their
+    prefix sums, and lse as its (h, total_q) view."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
+        if seqs is None:
+            self.plan(q, k, v, out, lse)
+        else:
+            self.plan(q, k, v, out, lse[0], **gluon_seq_tensors(seqs))
+
+
+# Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,
+# each with an accumulator of at most GLUON_DQ_CHUNK_BYTES (the sweep's shapes stay in one launch).
+GLUON_DQ_ACCUMULATOR_LIMIT = 256 * 2**20
+
+
+GLUON_DQ_CHUNK_BYTES = 64 * 2**20
+
+
+def gluon_head_chunks(batch: int, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int) -> list:
+    """[(h0, h1, hk0, hk1)]: query heads h0:h1 over KV heads hk0:hk1 per Gluon backward launch.
+    Chunks are whole KV-head groups (dK / dV of a KV head are summed over its query heads inside
+    one program), so MQA (one KV head) always runs in one launch."""
+    group = nheads // nheads_k
+    group_bytes = batch * seqlen_q * group * head_dim * 4
+    if group_bytes * nheads_k <= GLUON_DQ_ACCUMULATOR_LIMIT:
+        return [(0, nheads, 0, nheads_k)]
+    kv_per_chunk = max(1, GLUON_DQ_CHUNK_BYTES // max(group_bytes, 1))
+    return [(hk0 * group, min(hk0 + kv_per_chunk, nheads_k) * group, hk0, min(hk0 + kv_per_chunk, nheads_k))
+            for hk0 in range(0, nheads_k, kv_per_chunk)]
+
+
+class GluonBackward:
+    """The Hopper backward of one call signature (kernels/plans.py): the preprocess (delta,
+    lse_log2, and the float32 dQ accumulator zeroed in the same pass), then the Gluon kernel and
+    the dQ convert (backward_plan.BackwardPlan). dout, dk, dv must be TMA-aligned; the
+    accumulator covers every row the backward adds into (gluon_config keeps packed batches with
+    seqused_q, whose unused rows the preprocess would skip, off this kernel)."""
+
+    def __init__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, cfg, pre_cfg,
+                 seqs: Optional[PackedSeqs] = None):
+        assert seqs is None or seqs.seqused_q is None
+        # The plan needs the layouts of the buffers each call allocates, not memory.
+        delta, lse_log2 = row_stats_buffers(lse, device="meta")
+        dq_acc = dq_accumulator(q, device="meta")
+        self.kernels = BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, params.softmax_scale,
+                                    params.causal, cfg, max_seqlen_k=grid_lengths(q, k, seqs)[2],
+                                    **gluon_seq_tensors(seqs))
+        done_counts = self._done_counts(q, k, device="meta")
+        self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
+                                          zero=dq_acc, zero_counts=done_counts)
+
+    def _done_counts(self, q, k, device=None) -> Optional[torch.Tensor]:
+        return done_counts_buffer(q, k, device) if self.kernels.needs_counts else None
+
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
+        # The host work (buffers, TMA descriptors) comes before the preprocess kernel, so that the
+        # preprocess, backward and dQ-convert kernels go out back to back: done between them, it left
+        # the GPU idle after the short preprocess. The preprocess zeroes the accumulator (and the
+        # done counts) as it goes, which saves a memset kernel.
+        delta, lse_log2 = row_stats_buffers(lse)
+        dq_acc = dq_accumulator(q)
+        done_counts = self._done_counts(q, k)
+        descriptors = self.kernels.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
+        self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, done_counts, *preprocess_seq_tensors(seqs))
+        self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts,
+                            **gluon_seq_tensors(seqs))
+
+
+def gluon_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:
+    """The packed-batch keyword arguments of gluon_backward.BackwardPlan."""
+    if seqs is None:
+        return {}
+    return dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k, seqused_q=seqs.seqused_q)

@@ -1,0 +1,174 @@
+"""What a call asks for, resolved once at the public boundary: the score options (scale, softcap,
+window / causal, ALiBi, dropout) as one :class:`ScoreParams`, and where the sequences of a packed
+batch live (:class:`PackedSeqs`). The dispatcher and every launcher take these two objects.
+
+Between the public functions and the dispatcher sit the torch custom ops (flashtile/ops.py), whose
+schemas take only tensors and lists of floats and ints: :func:`ScoreParams.op_args` flattens the
+options for them and :func:`ScoreParams.from_op_args` rebuilds them on the other side.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import checks
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class ScoreParams:
+    """Everything that shapes the scores, shared by forward, backward and probs.
+
+    window_left / window_right: -1 means unbounded; causal is window_right = 0.
+    alibi_slopes: fp32 (nheads,) or (batch, nheads), or None.
+    dropout_seed: int64 tensor of one element on the inputs' device, or None.
+    """
+
+    softmax_scale: float
+    softcap: float = 0.0
+    window_left: int = -1
+    window_right: int = -1
+    alibi_slopes: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    dropout_seed: Optional[torch.Tensor] = None
+
+    @property
+    def causal(self) -> bool:
+        """Plain causal: the band is everything up to the diagonal (the config tables' key)."""
+        return self.window_left < 0 and self.window_right == 0
+
+    @property
+    def scaled_dot_products(self) -> bool:
+        """Scores are q.k times a positive scale (no softcap, no ALiBi), so the scale can
+        be folded into exp2's multiply-add after the row max."""
+        return self.softcap == 0.0 and self.alibi_slopes is None and self.softmax_scale > 0
+
+    @property
+    def plain(self) -> bool:
+        """Scaled dot products with at most a causal mask, no dropout: what the Hopper kernels handle."""
+        return (self.scaled_dot_products and self.dropout_p == 0.0
+                and self.window_left < 0 and self.window_right in (-1, 0))
+
+    def op_args(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], List[float], int, int]:
+        """The options as the custom ops' schemas take them: (alibi_slopes, dropout_seed,
+        [softmax_scale, softcap, dropout_p], window_left, window_right)."""
+        return (self.alibi_slopes, self.dropout_seed, [self.softmax_scale, self.softcap, self.dropout_p],
+                self.window_left, self.window_right)
+
+    @classmethod
+    def from_op_args(cls, alibi_slopes, dropout_seed, floats, window_left, window_right) -> "ScoreParams":
+        """The inverse of :meth:`op_args`, inside the ops."""
+        softmax_scale, softcap, dropout_p = floats
+        if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+            alibi_slopes = alibi_slopes.contiguous()  # (h,) or (b, h) floats: a trivial copy
+        return cls(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left, window_right=window_right,
+                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed if dropout_p > 0 else None)
+
+    def kernel_args(self, dtype: torch.dtype) -> dict:
+        """Keyword arguments every attention kernel takes."""
+        has_softcap = self.softcap > 0.0
+        if has_softcap:
+            qk_scale = self.softmax_scale / self.softcap
+            softcap_log2 = self.softcap * _LOG2E
+        else:
+            qk_scale = self.softmax_scale * _LOG2E
+            softcap_log2 = 0.0
+        alibi = self.alibi_slopes
+        return dict(
+            AlibiSlopes=alibi,
+            DropoutSeed=self.dropout_seed,
+            stride_alibi_b=(alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0),
+            qk_scale=qk_scale,
+            softcap_log2=softcap_log2,
+            window_left=max(self.window_left, 0),
+            window_right=max(self.window_right, 0),
+            dropout_p=self.dropout_p,
+            HAS_LEFT=self.window_left >= 0,
+            HAS_RIGHT=self.window_right >= 0,
+            HAS_SOFTCAP=has_softcap,
+            HAS_ALIBI=alibi is not None,
+            HAS_DROPOUT=self.dropout_p > 0.0,
+            # fp32 inputs get true fp32 products (tests compare against fp32/fp64);
+            # 16-bit inputs ignore this.
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        )
+
+
+@dataclass(frozen=True)
+class PackedSeqs:
+    """Where the sequences of a packed (varlen) batch live in the (total, h, d) tensors.
+
+    cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) prefix sums on the tensors' device.
+    max_seqlen_q / max_seqlen_k: host ints, at least every sequence's length (they size the grid).
+    seqused_q / seqused_k: optional int32 (batch,): sequence b uses only its first seqused[b] tokens.
+    block_table: optional int32 (batch, pages per sequence): K and V are then a paged cache
+    (num_pages, page_size, hk, d) and key t of sequence b lives at page block_table[b, t // page_size]
+    (forward only); cu_seqlens_k then only gives the key counts.
+    Either cu_seqlens may be None (forward only): that side keeps its dense (b, s, h, d) layout,
+    s rows per sequence of which seqused says how many are in use. A kv cache runs so: its queries
+    are (batch, seqlen_q, ...) and its keys one cache row (or pages) per sequence, seqused_k long.
+    """
+
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_q: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
+    # With block_table: optional int32 (batch,), the position of each sequence's first key in its
+    # pages (a kv cache's left padding).
+    key_shift: Optional[torch.Tensor] = None
+
+    @property
+    def batch(self) -> int:
+        for prefix_sums in (self.cu_seqlens_q, self.cu_seqlens_k):
+            if prefix_sums is not None:
+                return prefix_sums.shape[0] - 1
+        return self.seqused_k.shape[0]
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+
+def grid_lengths(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs]) -> tuple:
+    """(batch, seqlen_q, seqlen_k) the grid spans: the longest sequence when packed."""
+    if seqs is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    return seqs.batch, seqs.max_seqlen_q, seqs.max_seqlen_k
+
+
+def resolve_options(q: torch.Tensor, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    batch: Optional[int] = None, *, deterministic=False, return_attn_probs=False) -> ScoreParams:
+    """Check the public options and flags and resolve them into one :class:`ScoreParams` (one place
+    for every entry point): the default scale, causal as window_right = 0, a dropout seed drawn.
+    q: (b, s, h, d) or (total, h, d); ``batch`` overrides b for packed batches. window_size: any
+    pair of int-likes (checks.window_pair)."""
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    batch = q.shape[0] if batch is None else batch
+    window_left, window_right = checks.check_options(
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, batch=batch, nheads=nheads, device=q.device, deterministic=deterministic,
+        return_attn_probs=return_attn_probs)
+    dropout_seed = None
+    if dropout_p > 0:
+        # Drawn from the device's default generator outside the op (which stays a function of its
+        # inputs; the backward regenerates the mask from it): torch.manual_seed makes it
+        # reproducible, and no host sync is needed (the kernels read it on the device).
+        dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    return ScoreParams(softmax_scale=scale, softcap=float(softcap), window_left=window_left,
+                       window_right=0 if causal else window_right, alibi_slopes=alibi_slopes,
+                       dropout_p=float(dropout_p), dropout_seed=dropout_seed)
+
+
+def packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q,
+                max_seqlen_k) -> PackedSeqs:
+    """A :class:`PackedSeqs` from the varlen ops' arguments (index tensors made contiguous)."""
+    return PackedSeqs(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                      None if seqused_q is None else seqused_q.contiguous(),
+                      None if seqused_k is None else seqused_k.contiguous(), block_table)
