@@ -182,6 +182,46 @@ def _store(key: str, entry: dict) -> None:
     _load().update(on_disk)
 
 
+def lookup(key: str) -> Optional[dict]:
+    """The recorded entry for ``key`` (config, ms, timed, skipped), or None."""
+    with _lock:
+        return _load().get(key)
+
+
+def remove(keep: Callable[[str], bool]) -> int:
+    """Rewrite the cache file with only the entries whose key ``keep`` accepts (under the lock every
+    flashtile takes); returns how many were removed. ``python -m flashtile tune --clear`` uses it."""
+    path = cache_path()
+    if not path.exists():
+        return 0
+    with _locked(path):
+        try:  # every key counts, unreadable entries too (_read drops those)
+            keys = list(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            keys = []
+        kept = {key: entry for key, entry in _read(path).items() if keep(key)}
+        _write_atomically(path, json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    forget()
+    return max(len(keys) - len(kept), 0)
+
+
+# Called after each candidate is timed, while set by reporting(): (key, index, count, config, ms or
+# None, error or None). The tune command draws its progress bar from it.
+_progress: Optional[Callable] = None
+
+
+@contextlib.contextmanager
+def reporting(callback: Callable):
+    """Within the block, ``callback(key, index, count, config, ms, error)`` hears of every candidate
+    choose() times (ms None and error set where one failed)."""
+    global _progress
+    saved, _progress = _progress, callback
+    try:
+        yield
+    finally:
+        _progress = saved
+
+
 def forget() -> None:
     """Drop what this process read from the file (the next lookup reads it again)."""
     global _memory
@@ -204,13 +244,19 @@ def choose(key: str, candidates: Sequence[Config], run: Callable[[Config], objec
         def timer(fn):
             return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
     timings, skipped = [], []
-    table, *alternatives = list(dict.fromkeys(candidates))
+    unique = list(dict.fromkeys(candidates))
+    report = _progress or (lambda *args: None)
+    table, *alternatives = unique
     timings.append((timer(lambda: run(table)), table))  # the table's config must work
-    for cfg in alternatives:
+    report(key, 0, len(unique), table, timings[-1][0], None)
+    for index, cfg in enumerate(alternatives, 1):
         try:
             timings.append((timer(lambda cfg=cfg: run(cfg)), cfg))
+            report(key, index, len(unique), cfg, timings[-1][0], None)
         except Exception as exc:  # does not fit this GPU, or this compiler cannot build it
-            skipped.append({"config": _to_json(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            skipped.append({"config": _to_json(cfg), "error": error})
+            report(key, index, len(unique), cfg, None, error)
     ms, best = min(timings, key=lambda t: t[0])
     with _lock:
         _store(key, {"config": _to_json(best), "ms": ms, "skipped": skipped,

@@ -21,7 +21,6 @@ import subprocess
 import sys
 from typing import Optional
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _TOOL_TIMEOUT_S = 10  # a hung nvidia-smi or ptxas must not hang a bug report
 
 
@@ -98,10 +97,11 @@ def facts() -> dict:
 
     import flashtile
     from . import triton_compat
+    from .kernels.hopper import status as hopper_status
     from .runtime import interpreter_enabled
 
     low, high = (f"{major}.{minor}" for major, minor in triton_compat.SUPPORTED)
-    available, reason = triton_compat.gluon_status()
+    available, reason = hopper_status.gluon_status()
     return {
         "flashtile": flashtile.__version__,
         "python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
@@ -143,42 +143,15 @@ def _text_lines(found: dict) -> list:
     return lines
 
 
-def _int_list(text: str, count: int, what: str) -> list:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) != count:
-        raise argparse.ArgumentTypeError(f"{what} must be {count} comma-separated integers, got {text!r}")
-    return values
-
-
-def _capability(text: str) -> tuple:
-    try:
-        major, minor = (int(part) for part in text.split("."))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--device-capability must look like 9.0, got {text!r}") from None
-    return major, minor
-
-
 def _parser() -> argparse.ArgumentParser:
+    from .tools.common import add_call_arguments, capability
+
     parser = argparse.ArgumentParser(prog="python -m flashtile.env", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     call = parser.add_argument_group("explain a call (flashtile.explain)")
-    call.add_argument("--shape", type=lambda s: _int_list(s, 4, "--shape"), metavar="B,S,H,D",
-                      help="q's shape (batch, seqlen_q, nheads, head_dim)")
-    call.add_argument("--heads-k", type=int, help="KV heads (MQA/GQA); default nheads")
-    call.add_argument("--seqlen-k", type=int, help="keys per sequence; default seqlen_q")
-    call.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    call.add_argument("--causal", action="store_true")
-    call.add_argument("--window", type=lambda s: _int_list(s, 2, "--window"), metavar="L,R",
-                      help="window_size (left, right); -1 is unbounded")
-    call.add_argument("--softcap", type=float, default=0.0)
-    call.add_argument("--alibi", action="store_true", help="pass ALiBi slopes")
-    call.add_argument("--dropout", type=float, default=0.0, metavar="P")
-    call.add_argument("--deterministic", action="store_true")
-    call.add_argument("--device-capability", type=_capability, metavar="MAJOR.MINOR",
+    add_call_arguments(call)
+    call.add_argument("--device-capability", type=capability, metavar="MAJOR.MINOR",
                       help="decide for this GPU instead of the one here (without a GPU: meta tensors)")
     return parser
 
@@ -189,30 +162,14 @@ def _explain(args) -> tuple:
     interpreter would run)."""
     import torch
 
-    from .dispatch import explain
+    from .tools.common import call_spec
 
-    batch, seqlen_q, nheads, head_dim = args.shape
-    nheads_k = args.heads_k or nheads
-    seqlen_k = seqlen_q if args.seqlen_k is None else args.seqlen_k
+    spec = call_spec(args)
     if torch.cuda.is_available():
         device = "cuda"
     else:
         device = "meta" if args.device_capability is not None else "cpu"
-    dtype = getattr(torch, DTYPES[args.dtype])
-    # torch.empty: explaining reads no values, so no memory is filled (meta tensors hold none).
-    q = torch.empty((batch, seqlen_q, nheads, head_dim), dtype=dtype, device=device)
-    k, v = (torch.empty((batch, seqlen_k, nheads_k, head_dim), dtype=dtype, device=device) for _ in range(2))
-    alibi = torch.zeros(nheads, dtype=torch.float32, device=device) if args.alibi else None
-    options = [name for name, on in (("causal", args.causal), ("alibi", args.alibi),
-                                     ("deterministic", args.deterministic)) if on]
-    options += [f"{name}={value}" for name, value in (("window_size", args.window and tuple(args.window)),
-                                                      ("softcap", args.softcap), ("dropout_p", args.dropout)) if value]
-    call = (f"q {tuple(q.shape)}, k and v {tuple(k.shape)}, {DTYPES[args.dtype]}"
-            + "".join(f", {option}" for option in options))
-    explanation = explain(q, k, v, causal=args.causal, window_size=tuple(args.window or (-1, -1)),
-                          softcap=args.softcap, alibi_slopes=alibi, dropout_p=args.dropout,
-                          deterministic=args.deterministic, device_capability=args.device_capability)
-    return call, explanation
+    return spec.describe(), spec.explain(device, args.device_capability)
 
 
 def _config_json(config):

@@ -54,8 +54,9 @@ def _expand_kv_heads(x: torch.Tensor, nheads: int) -> torch.Tensor:
     return x.repeat_interleave(nheads // x.shape[2], dim=2)
 
 
-def _scores(q, k, softmax_scale, softcap, alibi_slopes, dtype):
-    """Scaled, capped and biased scores (b, h, sq, sk) in ``dtype``, before masking."""
+def attention_scores(q, k, softmax_scale=None, softcap: float = 0.0, alibi_slopes=None, dtype=torch.float64):
+    """Scaled, capped and biased scores (b, h, sq, sk) in ``dtype``, before masking (GQA: query
+    head i reads kv head i // (h / hk))."""
     batch, seqlen_q, nheads, head_dim = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     k = _expand_kv_heads(k, nheads)
@@ -80,7 +81,7 @@ def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     """
     dtype = dtype or q.dtype
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    s = _scores(q, k, softmax_scale, softcap, alibi_slopes, dtype)
+    s = attention_scores(q, k, softmax_scale, softcap, alibi_slopes, dtype)
     keep = visible_keys_mask(seqlen_q, seqlen_k, window_size, causal, device=q.device)
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1)
@@ -89,6 +90,26 @@ def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool
         p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv_heads(v, q.shape[2]).to(dtype))
     return out, lse
+
+
+def online_softmax_step(m, l, acc, scores, v_block):
+    """One key block of FlashAttention's online softmax: the running row max ``m`` and sum ``l``
+    (b, h, rows) and the unnormalised accumulator ``acc`` (b, h, rows, d), updated with the block's
+    scores (b, h, rows, n; -inf where masked) and values (b, n, h, d). A row that has seen no key
+    keeps m = -inf, l = 0. Returns the new (m, l, acc)."""
+    m_new = torch.maximum(m, scores.amax(dim=-1))
+    m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # no key seen yet: keep exp() finite
+    p = torch.exp(scores - m_safe[..., None])
+    alpha = torch.exp(m - m_safe)
+    return m_new, l * alpha + p.sum(dim=-1), acc * alpha[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, v_block)
+
+
+def online_softmax_result(m, l, acc):
+    """(out (b, h, rows, d), lse (b, h, rows)) from the online softmax's state: acc / l and
+    m + log(l); a row without keys gives out 0 and lse -inf."""
+    empty = l == 0
+    l_safe = l.masked_fill(empty, 1.0)
+    return acc / l_safe[..., None], (m + torch.log(l_safe)).masked_fill(empty, float("-inf"))
 
 
 def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
@@ -123,21 +144,13 @@ def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: 
         hi = min(m1 - 1 + diag + right + 1, seqlen_k) if right >= 0 else seqlen_k
         for n0 in range((lo // block_n) * block_n, max(hi, 0), block_n):
             n1 = min(n0 + block_n, seqlen_k)
-            s = _scores(q[:, m0:m1], k[:, n0:n1], softmax_scale, softcap, None, dtype)
+            s = attention_scores(q[:, m0:m1], k[:, n0:n1], softmax_scale, softcap, None, dtype)
             if bias is not None:
                 s = s + bias[:, :, m0:m1, n0:n1]
             s = s.masked_fill(~keep_all[m0:m1, n0:n1], float("-inf"))
-            m_new = torch.maximum(m_i, s.amax(dim=-1))
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
-            p = torch.exp(s - m_safe[..., None])
-            alpha = torch.exp(m_i - m_safe)
-            l_i = l_i * alpha + p.sum(dim=-1)
-            acc = acc * alpha[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, v_full[:, n0:n1])
-            m_i = m_new
-        empty = l_i == 0
-        l_safe = l_i.masked_fill(empty, 1.0)
-        out[:, m0:m1] = (acc / l_safe[..., None]).transpose(1, 2)
-        lse[:, :, m0:m1] = (m_i + torch.log(l_safe)).masked_fill(empty, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v_full[:, n0:n1])
+        block_out, lse[:, :, m0:m1] = online_softmax_result(m_i, l_i, acc)
+        out[:, m0:m1] = block_out.transpose(1, 2)
     return out, lse
 
 

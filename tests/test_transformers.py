@@ -11,6 +11,7 @@ Skipped when transformers is not installed.
 import copy
 import functools
 import threading
+import warnings
 
 import pytest
 import torch
@@ -23,6 +24,10 @@ from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Mistra
 
 import flashtile  # noqa: E402
 from flashtile.integrations import transformers as ft_hf  # noqa: E402
+
+if ft_hf._release(transformers.__version__) < ft_hf.OLDEST_TESTED:
+    pytest.skip(f"transformers {transformers.__version__} is older than the tested {ft_hf.TESTED_TRANSFORMERS} "
+                "(register() warns there)", allow_module_level=True)
 
 from _cases import DEVICE, ON_GPU  # noqa: E402
 
@@ -346,3 +351,11 @@ def test_attention_function_bidirectional_window():
 
     with pytest.raises(NotImplementedError, match="2D padding mask"):
         ft_hf.flashtile_attention_forward(module, q, k, v, allowed[None, None].expand(2, 1, -1, -1))
+
+
+def test_register_warns_on_an_untested_older_transformers():
+    with pytest.warns(RuntimeWarning, match="tested with transformers 5.23 to 5.24; this is 5.17.0"):
+        ft_hf.warn_if_untested("5.17.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft_hf.warn_if_untested("5.24.1")

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .. import checks, ops
 from ..interface import _probs
-from ..options import ScoreParams, resolve_options
+from ..options import ScoreParams, packed_seqs, resolve_options
 from ..dispatch import attention_backward
 from ..varlen import _check_inputs as _check_varlen_inputs
 
@@ -121,7 +121,7 @@ def _backward_body(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens
                            bool(deterministic))
         return
     max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic = ints
-    seqs = ops._seqs(cu_seqlens_q, cu_seqlens_k, None, None, None, max_seqlen_q, max_seqlen_k)
+    seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, None, None, None, max_seqlen_q, max_seqlen_k)
     # The kernels see a packed batch as (1, total, h, d) views, as in ops.varlen_bwd.
     attention_backward(*(t.unsqueeze(0) for t in (q, k, v, out, dout, lse, dq, dk, dv)),
                        ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right),

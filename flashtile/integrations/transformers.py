@@ -41,6 +41,7 @@ biases, transformers' continuous-batching paged cache. ``output_attentions`` ret
 """
 
 import os
+import warnings
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -54,6 +55,7 @@ DEFAULT_NAME = "flashtile"
 
 # transformers releases whose integration points this module has been checked against.
 TESTED_TRANSFORMERS = "5.23 to 5.24"
+OLDEST_TESTED = (5, 23)
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,6 +295,25 @@ def _seed_flash_import_cache(name: str) -> None:
     fa_utils._loaded_implementation = name
 
 
+def _release(version: str) -> tuple:
+    """(major, minor) of a version string such as 5.23.0.dev0."""
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def warn_if_untested(version: str) -> None:
+    """A RuntimeWarning for transformers releases older than the tested ones: they route some calls
+    of a "flash..." implementation through their own flash-attn loader, which fails there with an
+    error about flash-attn, not about the version."""
+    if _release(version) < OLDEST_TESTED:
+        warnings.warn(f"flashtile.integrations.transformers is tested with transformers {TESTED_TRANSFORMERS}; "
+                      f"this is {version}, where padded batches and generate() may fail inside transformers: "
+                      "pip install 'flashtile[hf]'", RuntimeWarning, stacklevel=3)
+
+
 def register(name: str = DEFAULT_NAME) -> str:
     """Register flashtile with transformers as ``attn_implementation=name`` (attention function
     and mask function), for every model built afterwards. Idempotent; returns ``name``."""
@@ -301,6 +322,9 @@ def register(name: str = DEFAULT_NAME) -> str:
     except ImportError as e:
         raise ImportError("flashtile.integrations.transformers needs transformers with the AttentionInterface "
                           f"API (tested: {TESTED_TRANSFORMERS}); pip install 'flashtile[hf]'") from e
+    import transformers
+
+    warn_if_untested(transformers.__version__)
     AttentionInterface.register(name, flashtile_attention_forward)
     AttentionMaskInterface.register(name, flashtile_attention_mask)
     if "flash" in name:

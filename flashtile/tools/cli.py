@@ -18,7 +18,16 @@ COMMANDS = {
                "run every kernel path this machine can run against the float64 reference; PASS/FAIL table"),
     "env": ("flashtile.env",
             "versions, GPUs and settings for a bug report; --shape explains which kernels a call runs"),
-    "bench": ("flashtile.bench", "benchmark flash_attn_func against PyTorch SDPA (correctness first, then TFLOP/s)"),
+    "bench": ("flashtile.tools.bench",
+              "dense | varlen | decode against cuDNN, FA2, Flex, FA4 in the same run (checked, then timed)"),
+    "debug": ("flashtile.tools.debug",
+              "one small case key tile by key tile, reference beside kernel, to the first divergence"),
+    "inspect": ("flashtile.tools.inspect",
+                "a call's kernel compiled for sm90 without a GPU: registers, spills, PTX/SASS; --all: every one"),
+    "configs": ("flashtile.tools.configs_cmd",
+                "which config a shape gets and why; the config tables; the autotune candidates"),
+    "tune": ("flashtile.tools.tune",
+             "autotune one shape class on this GPU with a progress bar; --show / --clear the on-disk cache"),
 }
 
 

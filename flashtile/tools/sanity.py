@@ -29,6 +29,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .common import choose_device, command_parser, device_problem, restart_under_interpreter
+
 PROG = "python -m flashtile sanity"
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -405,9 +407,7 @@ def _json_result(result: dict) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(PROG, __doc__)
     parser.add_argument("--quick", action="store_true", help="fewer and smaller cases (tiny on the CPU)")
     parser.add_argument("--cases", type=lambda text: [part for part in text.split(",") if part], default=None,
                         metavar="TEXT[,TEXT...]",
@@ -419,25 +419,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="the inputs' random seed (default: %(default)s)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     return parser
-
-
-def _cannot_run(device: torch.device) -> Optional[str]:
-    """Why the kernels cannot run on ``device`` here, or None."""
-    from flashtile.runtime import interpreter_enabled, interpreter_problem
-
-    if device.type == "cuda":
-        if interpreter_enabled():
-            return ("TRITON_INTERPRET=1 is set: Triton would run the kernels on the CPU; unset it to check the GPU, "
-                    "or pass --device cpu")
-        if not torch.cuda.is_available():
-            return f"--device {device}: CUDA is not available (torch {torch.__version__})"
-        return None
-    if device.type != "cpu":
-        return f"--device {device}: flashtile runs on CUDA devices, or on the CPU through Triton's interpreter"
-    if not interpreter_enabled():
-        return ("--device cpu needs Triton's interpreter: run with TRITON_INTERPRET=1 set before Python starts "
-                f"(TRITON_INTERPRET=1 {PROG} ...)")
-    return interpreter_problem()
 
 
 @contextlib.contextmanager
@@ -454,26 +435,12 @@ def _poisoned_outputs():
             os.environ["FLASHTILE_POISON_OUTPUTS"] = saved
 
 
-def _reexec_with_interpreter() -> None:
-    """Start this command again with TRITON_INTERPRET=1: Triton reads it when the kernels are
-    defined, which `python -m flashtile` has done by now (it imports flashtile)."""
-    os.execve(sys.executable, list(sys.orig_argv), dict(os.environ, TRITON_INTERPRET="1"))
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from flashtile.runtime import interpreter_enabled
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() and not interpreter_enabled() else "cpu"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        print(f"{PROG}: --device {args.device!r}: {exc}", file=sys.stderr)
-        return 2
-    if argv is None and device.type == "cpu" and not interpreter_enabled():
-        _reexec_with_interpreter()  # a command line of its own: safe to start it again
-    problem = _cannot_run(device)
+    device, problem = choose_device(args.device)
+    if device is not None:
+        restart_under_interpreter(device, argv)  # a command line of its own: safe to start it again
+        problem = device_problem(device, PROG)
     if problem is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
