@@ -2,9 +2,10 @@
 Triton ones) and with which config, decided in one place (:func:`gluon_decision`; flashtile.explain
 asks the same function), then launched through a plan kept per call signature (kernels/plans.py)
 so that later calls skip the host work. Entry points: :func:`attention_forward`,
-:func:`attention_forward_split`, :func:`attention_backward`, :func:`attention_probs` and
-:func:`launch_kvcache_update`, and :func:`kvcache_attention` (flash_attn_with_kvcache's body); they take tensors, a :class:`~flashtile.options.ScoreParams` and,
-for packed batches, a :class:`~flashtile.options.PackedSeqs`.
+:func:`attention_forward_split`, :func:`attention_backward`, :func:`attention_probs`,
+:func:`launch_kvcache_update` and :func:`kvcache_attention` (flash_attn_with_kvcache's body); they
+take tensors, a :class:`~flashtile.options.ScoreParams` and, for packed batches, a
+:class:`~flashtile.options.PackedSeqs`.
 """
 
 import functools

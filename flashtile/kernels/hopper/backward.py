@@ -68,6 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...triton_compat import VERSION, barrier, reinterpret, tma_load, tma_reduce_add, tma_store
+from .block_info import query_block_range
+from .seqlen_info import backward_sequence
 
 # wgmma's M per warpgroup: each consumer warpgroup owns this many keys.
 KEYS_PER_CONSUMER = 64
@@ -132,33 +134,6 @@ def _count_cta_done(done_counts, stored, kv_head, HEADS_FIRST: gl.constexpr):
 
 
 # ----------------------------------------------------------------------------------------------
-# Query-block bookkeeping shared by the loader and the consumers (they must agree exactly).
-# ----------------------------------------------------------------------------------------------
-
-@gluon.jit
-def _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       CAUSAL: gl.constexpr):
-    """(m_lo, m_full, m_tail, m_end): query blocks [m_lo, m_full) and [m_tail, m_end) need the
-    mask, [m_full, m_tail) do not."""
-    m_end = gl.cdiv(seqlen_q, BLOCK_M)
-    if CAUSAL:
-        diag = seqlen_k - seqlen_q
-        # Query i sees key j iff j <= i + diag: the block's first key is seen from row start_n - diag,
-        # all its keys from row start_n + BLOCK_N - 1 - diag on.
-        m_lo = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, m_end)
-        m_full = gl.minimum(gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M), m_end)
-    else:
-        m_lo = 0
-        m_full = 0
-    if start_n + BLOCK_N > seqlen_k:
-        # Ragged key block: keys past seqlen_k (zero-filled K) must not get probability mass.
-        m_full = m_end
-    # A ragged last query block is masked too: its lse / delta boxes run into the next head's rows.
-    m_tail = gl.maximum(m_full, seqlen_q // BLOCK_M)
-    return m_lo, m_full, m_tail, m_end
-
-
-# ----------------------------------------------------------------------------------------------
 # Masking of the transposed scores S^T (keys x query columns), shared by every head dim.
 # ----------------------------------------------------------------------------------------------
 
@@ -197,28 +172,6 @@ def _mask_keys(x, keys, start, seqlen_k, diag, BLOCK: gl.constexpr, CAUSAL: gl.c
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q, seqlen_k, IS_VARLEN: gl.constexpr):
-    """(tma_batch, q_start, k_start, seqlen_q, seqlen_k) of this program's sequence: the TMA batch
-    coordinate, the sequence's first query row and first key in the tensors, and its query rows and
-    keys. Dense: the batch entry, offsets 0. Varlen: the sequence is program_id(2) of a packed
-    batch-1 tensor; with seqused_q it uses only its first seqused_q[b] rows."""
-    batch = gl.program_id(2)
-    if IS_VARLEN:
-        tma_batch = 0
-        q_start = gl.load(cu_seqlens_q + batch)
-        k_start = gl.load(cu_seqlens_k + batch)
-        seqlen_k = gl.load(cu_seqlens_k + batch + 1) - k_start
-        seqlen_q = gl.load(cu_seqlens_q + batch + 1) - q_start
-        if seqused_q is not None:
-            seqlen_q = gl.maximum(gl.minimum(gl.load(seqused_q + batch), seqlen_q), 0)
-    else:
-        tma_batch = batch
-        q_start = 0
-        k_start = 0
-    return tma_batch, q_start, k_start, seqlen_q, seqlen_k
-
-
-@gluon.jit
 def _key_block_and_head(HEADS_FIRST: gl.constexpr):
     """(key block index, KV head) of this program. The grid is (key blocks, KV heads, sequences),
     or with HEADS_FIRST (KV heads, key blocks, batch): CTAs then start with every head's first key
@@ -247,7 +200,7 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
         tma_load(kv_desc_v, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
                                         v_smem.index(c))
 
-    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL)
+    m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL)
     if IS_VARLEN:
         # lse / delta rows of a sequence start at any q_start, and a 1-D TMA box must start 16-byte
         # aligned: this warp loads them itself (rows past the sequence: lse +inf, so P = 0) and
@@ -308,8 +261,8 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * BN
     batch = gl.program_id(2)
-    tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
-                                                                seqlen_k, IS_VARLEN)
+    tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                                                        seqlen_q, seqlen_k, IS_VARLEN)
     if IS_VARLEN:
         # The grid covers the longest sequence: a key block past this one's keys has no work (the
         # consumers skip it on the same condition, so no barrier is left waiting).
@@ -376,8 +329,9 @@ def _opaque_zero(it):
     """0 as a run-time value ptxas cannot fold (a ring position is < 2**30). The persistent kernel
     and the head-dim-256 one index their K, V tiles with it, so every query-block loop computes
     their wgmma descriptors itself: ptxas 12.8 once computed one only in an earlier loop's
-    preheader, which an empty loop skips, and descriptors held across a loop cost registers. The persistent d64 kernel spills 0 / 16 bytes
-    (full / causal) instead of 16 / 92, the d256 one none instead of 412 / 344. (At d128 it cut
+    preheader, which an empty loop skips, and descriptors held across a loop cost registers. The
+    persistent d64 kernel spills 0 / 16 bytes (full / causal) instead of 16 / 92, the d256 one none
+    instead of 412 / 344. (At d128 it cut
     the spills from 116 / 268 bytes to 16 / 16 but ran slower on 3.6: used there from Triton 3.9
     only, see _OPAQUE_KV.)"""
     return it >> 30
@@ -533,7 +487,7 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     key0 = start_n + CONSUMER * _KPC
-    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL)
+    m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL)
 
     dk = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
@@ -651,8 +605,8 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr):
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * _BN
-    tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
-                                                                seqlen_k, IS_VARLEN)
+    tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                                                        seqlen_q, seqlen_k, IS_VARLEN)
     # Varlen: the grid spans the longest sequence; a key block past this one's keys has no work
     # (the loader skips it on the same test). Dense grids are exact: a static True.
     has_keys = True
@@ -1084,7 +1038,7 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
                                                          instr_shape=[16, _D256_HALF, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, _DQ_N, 16])
-    m_lo, m_full, m_tail, m_end = _query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _KPC, CAUSAL)
+    m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _KPC, CAUSAL)
 
     dk = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
     dv = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
@@ -1156,8 +1110,8 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                    HEAD_DIM_TRUE: gl.constexpr, COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr):
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * _KPC
-    tma_batch, q_start, k_start, seqlen_q, seqlen_k = _sequence(cu_seqlens_q, cu_seqlens_k, seqused_q, seqlen_q,
-                                                                seqlen_k, IS_VARLEN)
+    tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                                                        seqlen_q, seqlen_k, IS_VARLEN)
     # Varlen: the grid spans the longest sequence; a key block past this one's keys has no work
     # (the loader skips it on the same test). Dense grids are exact: a static True.
     has_keys = True

@@ -45,88 +45,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...triton_compat import reinterpret, tma_load, tma_store
-from .tile_order import grouped_tile_order
+from .block_info import key_block_range, key_blocks
+from .seqlen_info import forward_tile
 
 # wgmma's M per warpgroup; each consumer warpgroup owns this many query rows.
 ROWS_PER_CONSUMER = 64
-
-
-# ----------------------------------------------------------------------------------------------
-# Key-block bookkeeping shared by the loader and the consumers (they must agree exactly).
-# ----------------------------------------------------------------------------------------------
-
-@gluon.jit
-def _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr):
-    """(n_unmasked, n_total): blocks [0, n_unmasked) need no mask, [n_unmasked, n_total) do."""
-    if CAUSAL:
-        diag = seqlen_k - seqlen_q
-        # Last key any row of the tile sees is start_m + BLOCK_M - 1 + diag.
-        visible_end = gl.minimum(gl.maximum(start_m + BLOCK_M + diag, 0), seqlen_k)
-        n_total = gl.cdiv(visible_end, BLOCK_N)
-        # A block is mask-free when its last key is visible to the tile's first row.
-        n_unmasked = gl.minimum(gl.maximum(start_m + diag + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
-    else:
-        n_total = gl.cdiv(seqlen_k, BLOCK_N)
-        n_unmasked = seqlen_k // BLOCK_N
-    return n_unmasked, n_total
-
-
-@gluon.jit
-def _tile_info(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
-               heads_per_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """What this CTA works on: (start_m, head, kv head, batch, q_start, k_start, seqlen_q, seqlen_k,
-    rows_end, valid). start_m is relative to its sequence, whose rows start at q_start and keys at
-    k_start; seqlen_q / seqlen_k are the rows / keys the sequence uses, rows_end its rows (>= seqlen_q,
-    the rows past seqlen_q get out 0 and lse -inf); valid: the tile starts inside the sequence.
-    Dense: batch is the TMA batch coordinate and every offset is 0. Varlen: the sequences are packed
-    along a batch-1 tensor, batch is the sequence, the TMA batch coordinate is 0.
-    Causal: the longest tiles (the most key blocks) launch first; dense grids with heads_per_group
-    (not None) go through groups of that many (batch, head) pairs (tile_order.py)."""
-    pid_m = gl.program_id(0)
-    head = gl.program_id(1)
-    batch = gl.program_id(2)
-    if IS_VARLEN:
-        q_start = gl.load(cu_seqlens_q + batch)
-        rows_end = gl.load(cu_seqlens_q + batch + 1) - q_start
-        k_start = gl.load(cu_seqlens_k + batch)
-        if seqused_q is not None:
-            seqlen_q = gl.load(seqused_q + batch)
-        else:
-            seqlen_q = rows_end
-        if seqused_k is not None:
-            seqlen_k = gl.load(seqused_k + batch)
-        else:
-            seqlen_k = gl.load(cu_seqlens_k + batch + 1) - k_start
-        if CAUSAL:
-            # The grid covers the longest sequence; count back from this one's last tile (a
-            # negative index is a tile past the sequence).
-            pid_m = gl.cdiv(rows_end, BLOCK_M) - 1 - pid_m
-        start_m = pid_m * BLOCK_M
-        valid = (start_m >= 0) & (start_m < rows_end)
-    else:
-        if CAUSAL:
-            if heads_per_group is not None:
-                pid_m, head, batch = grouped_tile_order(pid_m, head, batch, gl.num_programs(0), gl.num_programs(1),
-                                                        gl.num_programs(2), heads_per_group)
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        start_m = pid_m * BLOCK_M
-        q_start = 0
-        k_start = 0
-        rows_end = seqlen_q
-        valid = True
-    return start_m, head, head // head_group, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid
-
-
-@gluon.jit
-def _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
-    """_key_block_range, and no key block at all for a tile wholly past the used rows."""
-    n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    if HAS_SEQUSED_Q:
-        n_total = gl.where(start_m < seqlen_q, n_total, 0)
-        n_unmasked = gl.minimum(n_unmasked, n_total)
-    return n_unmasked, n_total
 
 
 @gluon.jit
@@ -230,7 +153,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                        gl.num_programs(0)):
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
-                n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                n_unmasked, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
                 reverse = False
                 if OWN_KEY_RANGE:
                     reverse = half == 1
@@ -240,11 +163,11 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                 kv0 += n_total
                 tile_iter += 1
     else:
-        start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
+        start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
             BLOCK_M, CAUSAL, IS_VARLEN)
-        n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                          seqused_q is not None)
+        n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                         seqused_q is not None)
         if IS_VARLEN:
             # Key blocks running past the sequence read the next one's keys (masked by the consumers).
             if valid:
@@ -734,7 +657,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                        gl.num_programs(0)):
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
-                n_unmasked, n_total = _key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                n_unmasked, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
                 reverse = False
                 if OWN_KEY_RANGE:
                     reverse = half == 1
@@ -751,11 +674,11 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                 tile_iter += 1
         tma.store_wait(0)
     else:
-        start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = _tile_info(
+        start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
             BLOCK_M, CAUSAL, IS_VARLEN)
-        n_unmasked, n_total = _key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                          seqused_q is not None)
+        n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
+                                         seqused_q is not None)
         if IS_VARLEN:
             if valid:
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,

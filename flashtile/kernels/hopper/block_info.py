@@ -1,0 +1,58 @@
+"""Which key blocks a query tile visits and which query blocks a key block visits, and which of them
+need the mask (the causal diagonal, the ragged ends): the Hopper kernels' one home for tile ranges.
+The forward's loader and consumers, and the backward's, must agree on these exactly.
+(The portable kernels' counterpart is portable/scores.py's band_block_range.)"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+    """(n_unmasked, n_total): blocks [0, n_unmasked) need no mask, [n_unmasked, n_total) do."""
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        # Last key any row of the tile sees is start_m + BLOCK_M - 1 + diag.
+        visible_end = gl.minimum(gl.maximum(start_m + BLOCK_M + diag, 0), seqlen_k)
+        n_total = gl.cdiv(visible_end, BLOCK_N)
+        # A block is mask-free when its last key is visible to the tile's first row.
+        n_unmasked = gl.minimum(gl.maximum(start_m + diag + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+    else:
+        n_total = gl.cdiv(seqlen_k, BLOCK_N)
+        n_unmasked = seqlen_k // BLOCK_N
+    return n_unmasked, n_total
+
+
+@gluon.jit
+def key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
+    """key_block_range, and no key block at all for a tile wholly past the used rows."""
+    n_unmasked, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if HAS_SEQUSED_Q:
+        n_total = gl.where(start_m < seqlen_q, n_total, 0)
+        n_unmasked = gl.minimum(n_unmasked, n_total)
+    return n_unmasked, n_total
+
+
+@gluon.jit
+def query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+    """(m_lo, m_full, m_tail, m_end): query blocks [m_lo, m_full) and [m_tail, m_end) need the
+    mask, [m_full, m_tail) do not."""
+    m_end = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        # Query i sees key j iff j <= i + diag: the block's first key is seen from row start_n - diag,
+        # all its keys from row start_n + BLOCK_N - 1 - diag on.
+        m_lo = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, m_end)
+        m_full = gl.minimum(gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M), m_end)
+    else:
+        m_lo = 0
+        m_full = 0
+    if start_n + BLOCK_N > seqlen_k:
+        # Ragged key block: keys past seqlen_k (zero-filled K) must not get probability mass.
+        m_full = m_end
+    # A ragged last query block is masked too: its lse / delta boxes run into the next head's rows.
+    m_tail = gl.maximum(m_full, seqlen_q // BLOCK_M)
+    return m_lo, m_full, m_tail, m_end
