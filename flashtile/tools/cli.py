@@ -26,6 +26,8 @@ COMMANDS = {
                 "a call's kernel compiled for sm90 without a GPU: registers, spills, PTX/SASS; --all: every one"),
     "configs": ("flashtile.tools.configs_cmd",
                 "which config a shape gets and why; the config tables; the autotune candidates"),
+    "export": ("flashtile.tools.export_cmd",
+               "the Hopper kernels as a C library (libflashtile.so, flashtile.h, CMake package), no GPU needed"),
     "tune": ("flashtile.tools.tune",
              "autotune one shape class on this GPU with a progress bar; --show / --clear the on-disk cache"),
 }

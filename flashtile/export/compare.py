@@ -1,0 +1,190 @@
+"""Check an exported C library against flashtile's Python API on the same inputs, on the GPU, and time
+both: ``python -m flashtile.export.compare --lib DIR [--json out.json]``.
+
+Each case runs the forward (and the backward) through the Python API and through the C library
+(ctypes, capi.py) on the same tensors. Where both run the same kernel with the same config the
+results must be bitwise equal; elsewhere (the Python dispatcher sent the call to the portable
+kernels) the C result must be as close to the float64 reference as FlashAttention's rule asks
+(at most twice the Python path's error, plus a small epsilon). Then forward and backward are timed
+through both paths in the same process (CUDA events, median of rounds)."""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from .capi import Library
+
+
+def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    return (r(batch, seqlen_q, nheads, head_dim), r(batch, seqlen_k, nheads_k, head_dim),
+            r(batch, seqlen_k, nheads_k, head_dim), r(batch, seqlen_q, nheads, head_dim))
+
+
+def _python(q, k, v, dout, causal, varlen=None):
+    import flashtile
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    if varlen is None:
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    else:
+        cu, max_len = varlen
+        out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal,
+                                                       return_attn_probs=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def _c(lib, q, k, v, dout, causal, varlen=None):
+    out, dq = (torch.full_like(q, float("nan")) for _ in range(2))
+    dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0])
+    lse = torch.full(lse_shape, float("nan"), device="cuda", dtype=torch.float32)
+    extra = {} if varlen is None else dict(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[0], max_seqlen_q=varlen[1],
+                                           max_seqlen_k=varlen[1])
+    a = lib.args(q, k, v, out, lse, causal=causal, **extra)
+    lib.forward(a)
+    lib.backward(a, dout, dq, dk, dv)
+    return out, lse, dq, dk, dv
+
+
+def _reference(q, k, v, dout, causal):
+    from ..reference import attention_naive
+
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out = attention_naive(q64, k64, v64, causal=causal)
+    return (out.detach(), *torch.autograd.grad(out, (q64, k64, v64), dout.double()))
+
+
+def check_case(lib, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal, lengths=None) -> dict:
+    q, k, v, dout = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    varlen = None
+    if lengths is not None:  # packed: the sequences of `lengths`, q / k / v (total, h, d)
+        total = sum(lengths)
+        q, k, v, dout = (t.reshape(-1, *t.shape[2:])[:total].contiguous() for t in (q, k, v, dout))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        varlen = (cu, max(lengths))
+    py = _python(q, k, v, dout, causal, varlen)
+    c = _c(lib, q, k, v, dout, causal, varlen)
+    names = ("out", "lse", "dq", "dk", "dv")
+    bitwise = {n: bool(torch.equal(a, b)) for n, a, b in zip(names, py, c)}
+    result = {"batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "nheads": nheads, "nheads_k": nheads_k,
+              "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "causal": causal, "lengths": lengths,
+              "bitwise": bitwise, "finite": all(bool(t.isfinite().all()) for t in c)}
+    if not all(bitwise.values()):
+        pieces = [(q, k, v, dout)] if varlen is None else [
+            tuple(t[s:e][None] for t in (q, k, v, dout)) for s, e in zip(varlen[0][:-1].tolist(), varlen[0][1:].tolist())]
+        errors = {}
+        for n, i in (("out", 0), ("dq", 2), ("dk", 3), ("dv", 4)):
+            err_py = err_c = 0.0
+            for j, (qs, ks, vs, ds) in enumerate(pieces):
+                ref = _reference(qs, ks, vs, ds, causal)[{0: 0, 2: 1, 3: 2, 4: 3}[i]]
+                if varlen is None:
+                    a, b = py[i], c[i]
+                else:
+                    s, e = varlen[0][j].item(), varlen[0][j + 1].item()
+                    a, b = py[i][s:e][None], c[i][s:e][None]
+                err_py = max(err_py, (a.double() - ref).abs().max().item())
+                err_c = max(err_c, (b.double() - ref).abs().max().item())
+            errors[n] = {"python": err_py, "c": err_c, "ok": err_c <= 2 * err_py + 1e-5}
+        result["errors"] = errors
+    result["ok"] = result["finite"] and (all(bitwise.values()) or all(e["ok"] for e in result["errors"].values()))
+    return result
+
+
+def _median_ms(fn, rounds=5, iters=10) -> float:
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def time_case(lib, batch, seqlen, nheads, head_dim, dtype, causal) -> dict:
+    import flashtile
+
+    q, k, v, dout = _qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, dtype)
+    out, dq, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    lse = torch.empty(batch, nheads, seqlen, device="cuda", dtype=torch.float32)
+    a = lib.args(q, k, v, out, lse, causal=causal)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    py_out = flashtile.flash_attn_func(qg, kg, vg, causal=causal)
+    for fn in (lambda: lib.forward(a), lambda: lib.backward(a, dout, dq, dk, dv),
+               lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
+               lambda: py_out.backward(dout, retain_graph=True)):
+        fn()  # warm up (the C library loads its modules on first use)
+    flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    row = {"batch": batch, "seqlen": seqlen, "nheads": nheads, "head_dim": head_dim, "causal": causal,
+           "dtype": str(dtype).replace("torch.", "")}
+    for name, fn, work in (("c_fwd", lambda: lib.forward(a), flops),
+                           ("python_fwd", lambda: flashtile.flash_attn_func(q, k, v, causal=causal), flops),
+                           ("c_bwd", lambda: lib.backward(a, dout, dq, dk, dv), 2.5 * flops),
+                           ("python_bwd", lambda: py_out.backward(dout, retain_graph=True), 2.5 * flops)):
+        ms = _median_ms(fn)
+        row[name + "_ms"] = round(ms, 4)
+        row[name + "_tflops"] = round(work / ms / 1e9, 1)
+    return row
+
+
+CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, lengths
+    (2, 1024, 1024, 8, 8, 128, False, None), (2, 1024, 1024, 8, 8, 128, True, None),
+    (2, 1023, 1023, 8, 2, 128, True, None), (1, 113, 1023, 4, 1, 64, True, None),
+    (2, 1, 1023, 8, 8, 64, False, None), (2, 4096, 4096, 4, 4, 64, True, None), (3, 777, 777, 6, 3, 64, False, None),
+    (2, 2048, 2048, 4, 4, 64, False, None), (1, 1024, 4096, 4, 4, 128, True, None),
+    (8, 1024, 1024, 8, 2, 128, True, [1, 113, 1023, 517, 64, 2000]),
+    (8, 1024, 1024, 8, 2, 64, True, [1, 113, 1023, 517, 64, 2000]),
+    (8, 1024, 1024, 8, 8, 64, False, [700, 33, 1024]),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashtile.export.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lib", required=True, help="an export directory (or libflashtile.so)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--no-timing", action="store_true")
+    args = parser.parse_args(argv)
+    lib = Library(args.lib)
+    exported = lib.build_info()
+    cases, timings = [], []
+    for dtype in (torch.bfloat16, torch.float16):
+        if ("bf16" if dtype == torch.bfloat16 else "fp16") not in exported.split("dtypes:")[1].split(";")[0]:
+            continue
+        for b, sq, sk, h, hk, d, causal, lengths in CASES:
+            if f"{d}" not in exported.split("head dims:")[1].split(";")[0]:
+                continue
+            r = check_case(lib, b, sq, sk, h, hk, d, dtype, causal, lengths)
+            cases.append(r)
+            same = "bitwise" if all(r["bitwise"].values()) else "rule" if r["ok"] else "FAIL"
+            print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['dtype']} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} "
+                  f"{'causal' if causal else 'full'}{' varlen' if lengths else ''}: {same}", flush=True)
+    if not args.no_timing:
+        for seqlen, batch in ((4096, 4), (16384, 1)):
+            timings.append(time_case(lib, batch, seqlen, 16, 128, torch.bfloat16, True))
+            t = timings[-1]
+            print(f"d128 causal bf16 {batch}x{seqlen}, 16 heads: fwd C {t['c_fwd_ms']:.3f} ms "
+                  f"({t['c_fwd_tflops']}) vs Python {t['python_fwd_ms']:.3f} ({t['python_fwd_tflops']}); bwd C "
+                  f"{t['c_bwd_ms']:.3f} ({t['c_bwd_tflops']}) vs Python {t['python_bwd_ms']:.3f} "
+                  f"({t['python_bwd_tflops']}) TFLOP/s", flush=True)
+    failed = sum(not r["ok"] for r in cases)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"build_info": exported, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "cases": cases, "timings": timings}, f, indent=1)
+    print(f"compare: {len(cases) - failed} of {len(cases)} cases ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

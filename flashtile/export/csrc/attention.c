@@ -1,0 +1,328 @@
+/* The public calls (flashtile.h): check every argument, pick the exported entry the Python
+ * dispatcher would pick (the config for the call's longest key length), lay out the workspace, fill
+ * the call struct the generated launchers read, launch. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "runtime.h"
+
+static const int hopper_head_dims[] = {64, 96, 128, 192, 256};
+#define WORKSPACE_ALIGN 256
+
+void flashtile_attention_args_init(flashtile_attention_args *args) {
+    if (!args)
+        return;
+    memset(args, 0, sizeof *args);
+    args->struct_size = (int)sizeof *args;
+    args->dtype = FLASHTILE_BFLOAT16;
+    args->window_left = -1;
+    args->window_right = -1;
+}
+
+static int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+static flashtile_status check_tensor(const char *name, const flashtile_tensor *t, int varlen) {
+    if (t->data == NULL)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "%s.data is NULL", name);
+    if (!aligned16(t->data))
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "%s.data = %p is not 16-byte aligned (the kernels load tiles with the TMA copy engine)", name,
+                       t->data);
+    const int64_t strides[3] = {varlen ? 0 : t->batch_stride, t->row_stride, t->head_stride};
+    const char *names[3] = {"batch_stride", "row_stride", "head_stride"};
+    for (int i = 0; i < 3; i++) {
+        if (strides[i] < 0 || strides[i] % 16 != 0)
+            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                           "%s.%s = %lld: strides must be non-negative multiples of 16 elements (the layouts of the "
+                           "Hopper kernels' head dims; the head dim itself must be contiguous)",
+                           name, names[i], (long long)strides[i]);
+    }
+    return FLASHTILE_SUCCESS;
+}
+
+static int in_list(int value, const int *list, int n) {
+    for (int i = 0; i < n; i++)
+        if (list[i] == value)
+            return 1;
+    return 0;
+}
+
+static void head_dim_list(char *out, size_t size, const int *list, int n) {
+    size_t used = 0;
+    out[0] = '\0';
+    for (int i = 0; i < n && used < size; i++)
+        used += (size_t)snprintf(out + used, size - used, i ? ", %d" : "%d", list[i]);
+}
+
+static const char *dtype_name(int dtype) { return dtype == FLASHTILE_FLOAT16 ? "fp16" : "bf16"; }
+
+/* The exported entry for this call, or an error that says what to export. */
+static flashtile_status find_entry(int direction, const flashtile_attention_args *a, int varlen, int64_t max_seqlen_k,
+                                   const ft_entry **entry) {
+    int direction_seen = 0, dtype_seen = 0, head_dim_seen = 0, layout_seen = 0;
+    for (int i = 0; i < ft_entry_count; i++) {
+        const ft_entry *e = &ft_entries[i];
+        if (e->direction != direction)
+            continue;
+        direction_seen = 1;
+        if (e->dtype != (int)a->dtype)
+            continue;
+        dtype_seen = 1;
+        if (e->head_dim != a->head_dim)
+            continue;
+        head_dim_seen = 1;
+        if (e->varlen != varlen)
+            continue;
+        layout_seen = 1;
+        if (e->causal == (a->causal != 0) && e->min_seqlen_k <= max_seqlen_k && max_seqlen_k < e->max_seqlen_k) {
+            *entry = e;
+            return FLASHTILE_SUCCESS;
+        }
+    }
+    const char *how = "export it with `python -m flashtile export --head-dims ... --dtypes ... --features "
+                      "forward,backward,varlen --out DIR`";
+    const char *what = direction == FT_FORWARD ? "the forward" : "the backward";
+    if (!direction_seen)
+        return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED, "%s was not exported in this build (see flashtile_build_info()): %s",
+                       what, how);
+    if (!dtype_seen)
+        return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED, "dtype %s was not exported in this build: %s",
+                       dtype_name(a->dtype), how);
+    if (!head_dim_seen) {
+        char list[128];
+        head_dim_list(list, sizeof list, ft_head_dims, ft_head_dim_count);
+        return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
+                       "head_dim %d was not exported in this build (it holds head dims %s): %s", a->head_dim, list, how);
+    }
+    if (!layout_seen)
+        return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
+                       "packed (varlen) batches were not exported in this build (cu_seqlens_q is set): %s "
+                       "(features must include varlen)", how);
+    return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED, "no exported kernel serves %s %s head dim %d %s with %lld keys", what,
+                   dtype_name(a->dtype), a->head_dim, a->causal ? "causal" : "full", (long long)max_seqlen_k);
+}
+
+static size_t align_up(size_t n) { return (n + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN; }
+
+/* Checks everything the host can check and fills the call struct (pointers into the workspace
+ * excepted); *lse_bytes etc. tell the workspace layout. */
+static flashtile_status prepare(int direction, const flashtile_attention_args *a, const flashtile_attention_grads *g,
+                                ft_call *c, const ft_entry **entry) {
+    ft_clear_error();
+    if (a == NULL)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "args is NULL");
+    if (a->struct_size != (int)sizeof *a)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "args->struct_size is %d, expected %d: initialise args with flashtile_attention_args_init() "
+                       "(and build against this library's flashtile.h)",
+                       a->struct_size, (int)sizeof *a);
+    if (a->dtype != FLASHTILE_FLOAT16 && a->dtype != FLASHTILE_BFLOAT16)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "dtype %d: expected FLASHTILE_FLOAT16 or FLASHTILE_BFLOAT16",
+                       (int)a->dtype);
+    const int varlen = a->cu_seqlens_q != NULL || a->cu_seqlens_k != NULL;
+    if (a->batch < 1 || a->seqlen_q < 1 || a->seqlen_k < 1 || a->nheads < 1 || a->nheads_k < 1 || a->head_dim < 1)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "batch %d, seqlen_q %d, seqlen_k %d, nheads %d, nheads_k %d, head_dim %d: each must be at least 1",
+                       a->batch, a->seqlen_q, a->seqlen_k, a->nheads, a->nheads_k, a->head_dim);
+    if (a->nheads % a->nheads_k != 0)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "nheads %d is not a multiple of nheads_k %d (GQA / MQA: each key/value head serves a whole "
+                       "group of query heads)",
+                       a->nheads, a->nheads_k);
+    if (!in_list(a->head_dim, hopper_head_dims, 5))
+        return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
+                       "head_dim %d: the C library embeds flashtile's Hopper kernels, which take head dims 64, 96, "
+                       "128, 192 and 256 (other head dims run on the portable kernels, which `flashtile export` "
+                       "does not embed yet)",
+                       a->head_dim);
+    if (a->softcap != 0.0f || a->alibi_slopes != NULL ||
+        !(a->window_left == -1 && (a->window_right == -1 || (a->causal && a->window_right == 0)))) {
+        const char *option = a->softcap != 0.0f ? "softcap" : a->alibi_slopes ? "alibi_slopes" : "window_left / window_right";
+        return ft_fail(FLASHTILE_ERROR_UNSUPPORTED,
+                       "%s: in flashtile this option runs on the portable kernels, which the C library does not embed "
+                       "yet; it serves full and causal attention",
+                       option);
+    }
+    if (!(a->softmax_scale >= 0.0f) || isinf(a->softmax_scale))
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "softmax_scale %g: expected a positive finite scale, or 0 for 1 / sqrt(head_dim)",
+                       (double)a->softmax_scale);
+    if (varlen) {
+        if (a->cu_seqlens_q == NULL || a->cu_seqlens_k == NULL)
+            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "%s is NULL: packed batches take both cu_seqlens_q and "
+                           "cu_seqlens_k", a->cu_seqlens_q == NULL ? "cu_seqlens_q" : "cu_seqlens_k");
+        if (!aligned16(a->cu_seqlens_q) || !aligned16(a->cu_seqlens_k))
+            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "%s is not 16-byte aligned",
+                           aligned16(a->cu_seqlens_q) ? "cu_seqlens_k" : "cu_seqlens_q");
+        if (a->max_seqlen_q < 1 || a->max_seqlen_q > a->seqlen_q)
+            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                           "max_seqlen_q %d: expected the longest query sequence, 1 to seqlen_q (%d, the packed total)",
+                           a->max_seqlen_q, a->seqlen_q);
+        if (a->max_seqlen_k < 1 || a->max_seqlen_k > a->seqlen_k)
+            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                           "max_seqlen_k %d: expected the longest key sequence, 1 to seqlen_k (%d, the packed total)",
+                           a->max_seqlen_k, a->seqlen_k);
+    }
+    const flashtile_tensor *tensors[4] = {&a->q, &a->k, &a->v, &a->out};
+    const char *names[4] = {"q", "k", "v", "out"};
+    for (int i = 0; i < 4; i++)
+        FT_TRY(check_tensor(names[i], tensors[i], varlen));
+    if (a->softmax_lse != NULL && !aligned16(a->softmax_lse))
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "softmax_lse is not 16-byte aligned");
+    if (direction == FT_BACKWARD) {
+        if (g == NULL)
+            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "grads is NULL");
+        if (a->softmax_lse == NULL)
+            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                           "softmax_lse is NULL: the backward reads the forward's logsumexp");
+        const flashtile_tensor *grads[4] = {&g->dout, &g->dq, &g->dk, &g->dv};
+        const char *grad_names[4] = {"grads->dout", "grads->dq", "grads->dk", "grads->dv"};
+        for (int i = 0; i < 4; i++)
+            FT_TRY(check_tensor(grad_names[i], grads[i], varlen));
+    }
+
+    memset(c, 0, sizeof *c);
+    c->batch = varlen ? 1 : a->batch;
+    c->n_seqs = a->batch;
+    c->rows_q = a->seqlen_q;
+    c->rows_k = a->seqlen_k;
+    c->max_seqlen_q = varlen ? a->max_seqlen_q : a->seqlen_q;
+    c->max_seqlen_k = varlen ? a->max_seqlen_k : a->seqlen_k;
+    c->nheads = a->nheads;
+    c->nheads_k = a->nheads_k;
+    c->head_dim = a->head_dim;
+    c->row_stride = (c->rows_q + 3) / 4 * 4;
+    c->lse_sb = varlen ? 0 : c->nheads * c->rows_q;
+    c->lse_sh = c->rows_q;
+    c->softmax_scale = a->softmax_scale > 0.0f ? (double)a->softmax_scale : 1.0 / sqrt((double)a->head_dim);
+    /* A batch of one (and a packed batch, a batch-1 view) has no meaningful batch stride: use the
+     * extent of its rows, as the (1, rows, heads, head_dim) view in Python has. */
+#define FT_STRIDES(prefix, t, rows)                                                                \
+    do {                                                                                           \
+        c->prefix##_sb = c->batch > 1 ? (t).batch_stride : (rows) * (t).row_stride;                \
+        c->prefix##_ss = (t).row_stride;                                                           \
+        c->prefix##_sh = (t).head_stride;                                                          \
+    } while (0)
+    FT_STRIDES(q, a->q, c->rows_q);
+    FT_STRIDES(k, a->k, c->rows_k);
+    FT_STRIDES(v, a->v, c->rows_k);
+    FT_STRIDES(o, a->out, c->rows_q);
+    c->q = (CUdeviceptr)a->q.data;
+    c->k = (CUdeviceptr)a->k.data;
+    c->v = (CUdeviceptr)a->v.data;
+    c->o = (CUdeviceptr)a->out.data;
+    c->lse = (CUdeviceptr)a->softmax_lse;
+    c->cu_q = (CUdeviceptr)a->cu_seqlens_q;
+    c->cu_k = (CUdeviceptr)a->cu_seqlens_k;
+    if (direction == FT_BACKWARD) {
+        FT_STRIDES(do, g->dout, c->rows_q);
+        FT_STRIDES(dq, g->dq, c->rows_q);
+        FT_STRIDES(dk, g->dk, c->rows_k);
+        FT_STRIDES(dv, g->dv, c->rows_k);
+        c->dout = (CUdeviceptr)g->dout.data;
+        c->dq = (CUdeviceptr)g->dq.data;
+        c->dk = (CUdeviceptr)g->dk.data;
+        c->dv = (CUdeviceptr)g->dv.data;
+    }
+#undef FT_STRIDES
+    return find_entry(direction, a, varlen, c->max_seqlen_k, entry);
+}
+
+/* Workspace layout: [lse if the forward got none] / [delta, lse_log2][dQ accumulator][counts]. */
+typedef struct workspace_layout {
+    size_t lse, rows, dq_acc, counts, total;
+} workspace_layout;
+
+static workspace_layout layout_of(int direction, const flashtile_attention_args *a, const ft_call *c,
+                                  const ft_entry *e) {
+    workspace_layout w = {0, 0, 0, 0, 0};
+    if (direction == FT_FORWARD) {
+        w.total = a->softmax_lse ? 0 : align_up((size_t)(c->batch * c->nheads * c->rows_q) * 4);
+        return w;
+    }
+    size_t rows = align_up((size_t)(2 * c->batch * c->nheads * c->row_stride) * 4);
+    size_t acc = align_up((size_t)(c->batch * c->rows_q * c->nheads * c->head_dim) * 4);
+    w.rows = 0;
+    w.dq_acc = rows;
+    w.counts = rows + acc;
+    w.total = rows + acc + (e->needs_counts ? align_up((size_t)(c->batch * c->nheads_k) * 4) : 0);
+    return w;
+}
+
+static flashtile_status check_workspace(void *workspace, size_t bytes, size_t needed) {
+    if (needed == 0)
+        return FLASHTILE_SUCCESS;
+    if (workspace == NULL || bytes < needed)
+        return ft_fail(FLASHTILE_ERROR_WORKSPACE,
+                       "workspace of %zu bytes at %p: this call needs %zu bytes (ask the *_workspace_size function)",
+                       bytes, workspace, needed);
+    if (((uintptr_t)workspace % WORKSPACE_ALIGN) != 0)
+        return ft_fail(FLASHTILE_ERROR_WORKSPACE, "workspace %p is not %d-byte aligned", workspace, WORKSPACE_ALIGN);
+    return FLASHTILE_SUCCESS;
+}
+
+static flashtile_status workspace_size(int direction, const flashtile_attention_args *a,
+                                       const flashtile_attention_grads *g, size_t *bytes) {
+    ft_call c;
+    const ft_entry *e;
+    if (bytes == NULL)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "bytes is NULL");
+    FT_TRY(prepare(direction, a, g, &c, &e));
+    *bytes = layout_of(direction, a, &c, e).total;
+    return FLASHTILE_SUCCESS;
+}
+
+flashtile_status flashtile_attention_forward_workspace_size(const flashtile_attention_args *args, size_t *bytes) {
+    return workspace_size(FT_FORWARD, args, NULL, bytes);
+}
+
+/* The backward's size does not depend on the gradients' layouts: check the arguments without them. */
+flashtile_status flashtile_attention_backward_workspace_size(const flashtile_attention_args *args, size_t *bytes) {
+    ft_call c;
+    const ft_entry *e;
+    if (bytes == NULL)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "bytes is NULL");
+    if (args != NULL && args->struct_size == (int)sizeof *args && args->softmax_lse == NULL)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "softmax_lse is NULL: the backward reads the forward's logsumexp");
+    FT_TRY(prepare(FT_FORWARD, args, NULL, &c, &e));
+    /* The backward entry for the same call (its counts decide the size). */
+    FT_TRY(find_entry(FT_BACKWARD, args, args->cu_seqlens_q != NULL, c.max_seqlen_k, &e));
+    *bytes = layout_of(FT_BACKWARD, args, &c, e).total;
+    return FLASHTILE_SUCCESS;
+}
+
+flashtile_status flashtile_attention_forward(const flashtile_attention_args *args, void *workspace,
+                                             size_t workspace_bytes, flashtile_stream_t stream) {
+    ft_call c;
+    const ft_entry *e;
+    FT_TRY(prepare(FT_FORWARD, args, NULL, &c, &e));
+    workspace_layout w = layout_of(FT_FORWARD, args, &c, e);
+    FT_TRY(check_workspace(workspace, workspace_bytes, w.total));
+    if (args->softmax_lse == NULL)
+        c.lse = (CUdeviceptr)workspace;
+    int sm_count;
+    FT_TRY(ft_device(&sm_count));
+    c.sm_count = sm_count;
+    return e->launch(&c, (CUstream)stream);
+}
+
+flashtile_status flashtile_attention_backward(const flashtile_attention_args *args,
+                                              const flashtile_attention_grads *grads, void *workspace,
+                                              size_t workspace_bytes, flashtile_stream_t stream) {
+    ft_call c;
+    const ft_entry *e;
+    FT_TRY(prepare(FT_BACKWARD, args, grads, &c, &e));
+    workspace_layout w = layout_of(FT_BACKWARD, args, &c, e);
+    FT_TRY(check_workspace(workspace, workspace_bytes, w.total));
+    CUdeviceptr base = (CUdeviceptr)workspace;
+    c.delta = base + w.rows;
+    c.lse_log2 = base + w.rows + (CUdeviceptr)(c.batch * c.nheads * c.row_stride) * 4;
+    c.dq_acc = base + w.dq_acc;
+    c.counts = e->needs_counts ? base + w.counts : 0;
+    int sm_count;
+    FT_TRY(ft_device(&sm_count));
+    c.sm_count = sm_count;
+    return e->launch(&c, (CUstream)stream);
+}

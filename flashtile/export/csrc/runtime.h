@@ -1,0 +1,89 @@
+/* The C library's internals, shared by the generated kernel table (flashtile_kernels.c, written by
+ * `python -m flashtile export`) and the hand-written parts (runtime.c: the CUDA driver, modules,
+ * TMA descriptors and launches; attention.c: the public calls). Not installed. */
+#ifndef FLASHTILE_RUNTIME_H
+#define FLASHTILE_RUNTIME_H
+
+#include <cuda.h>
+#include <stdint.h>
+
+#include "flashtile.h"
+
+/* Everything a kernel argument is computed from (flashtile/export/bindings.py names these fields
+ * and checks its expressions against the Python host plans). Integers are int64. */
+typedef struct ft_call {
+    int64_t batch, n_seqs, rows_q, rows_k, max_seqlen_q, max_seqlen_k, nheads, nheads_k, head_dim;
+    int64_t sm_count, row_stride, lse_sb, lse_sh;
+    int64_t q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
+    int64_t do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
+    double softmax_scale;
+    CUdeviceptr q, k, v, o, lse, dout, dq, dk, dv, cu_q, cu_k, delta, lse_log2, dq_acc, counts;
+} ft_call;
+
+/* One embedded kernel. */
+typedef struct ft_kernel {
+    const char *name;
+    const unsigned char *cubin;
+    size_t cubin_size;
+    int shared_bytes;
+    int threads;
+} ft_kernel;
+
+enum { FT_FORWARD = 0, FT_BACKWARD = 1 };
+
+/* One entry: the kernels of one (direction, dtype, head dim, causal, layout) for key lengths in
+ * [min_seqlen_k, max_seqlen_k), launched in order by launch(). */
+typedef struct ft_entry {
+    int direction;
+    int dtype;
+    int head_dim;
+    int causal;
+    int varlen;
+    int64_t min_seqlen_k;
+    int64_t max_seqlen_k;
+    int needs_counts;
+    flashtile_status (*launch)(const ft_call *call, CUstream stream);
+    const char *name;
+} ft_entry;
+
+extern ft_kernel ft_kernels[];
+extern const int ft_kernel_count;
+extern const ft_entry ft_entries[];
+extern const int ft_entry_count;
+extern const char ft_build_info[];
+extern const int ft_head_dims[];
+extern const int ft_head_dim_count;
+
+/* The binding expressions' functions (non-negative operands). */
+static inline int64_t CDIV(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t DIV(int64_t a, int64_t b) { return a / b; }
+static inline int64_t MIN(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t MAX(int64_t a, int64_t b) { return a > b ? a : b; }
+#define SEL(c, a, b) ((c) ? (a) : (b))
+
+#define FT_TRY(expr)                                   \
+    do {                                               \
+        flashtile_status ft_status_ = (expr);          \
+        if (ft_status_ != FLASHTILE_SUCCESS)           \
+            return ft_status_;                         \
+    } while (0)
+
+/* Records this thread's error message (printf-style) and returns status. */
+flashtile_status ft_fail(flashtile_status status, const char *format, ...);
+void ft_clear_error(void);
+
+/* An int64 value as an int32 kernel argument, or an error naming it. */
+flashtile_status ft_i32(int64_t value, int32_t *out, const char *what);
+
+/* The driver (loaded on first use), the current context's device facts. */
+flashtile_status ft_device(int *sm_count);
+
+/* A tiled TMA descriptor: rank dims outer first (as the kernels' bindings list them), strides in
+ * elements (the last is 1), box outer first, swizzle and element type from the compiled kernel. */
+flashtile_status ft_encode(CUtensorMap *map, CUdeviceptr base, int data_type, int elem_bytes, int swizzle, int rank,
+                           const int64_t *shape, const int64_t *strides, const uint32_t *box, const char *what);
+
+/* Launch kernel ft_kernels[index] (its module loaded into the current context on first use). */
+flashtile_status ft_launch(int index, const int64_t grid[3], int pdl, CUstream stream, void **params);
+
+#endif

@@ -1,0 +1,165 @@
+"""What an export holds: one entry per (direction, dtype, head dim, causal, layout, key-length range)
+the sm90 config tables distinguish, each with the kernel launches its plan makes.
+
+An entry's launches are captured from the real host plans on meta tensors (tools/catalog.py), which
+gives what each kernel compiles with (constexprs, launch options); bindings.py gives how the C
+library computes their runtime arguments. The C library picks an entry the way the Python dispatcher
+picks a config: the first entry whose key-length range holds the call's (longest) key length.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..configs import BWD_GLUON, BWD_PREPROCESS, FWD_GLUON, table_config
+from ..options import PackedSeqs, ScoreParams
+from . import bindings
+
+ARCH = "sm90"
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+FEATURES = ("forward", "backward", "varlen")
+UNBOUNDED = 2**62
+
+
+@dataclass
+class Entry:
+    direction: str            # "forward" / "backward"
+    dtype: str                # "fp16" / "bf16"
+    head_dim: int
+    causal: bool
+    varlen: bool
+    min_seqlen_k: int
+    max_seqlen_k: int         # exclusive
+    config: object
+    bindings: List[bindings.Binding]
+    launches: list            # the captured tools.catalog.Launch of each binding, in order
+    needs_counts: bool = False
+
+    @property
+    def name(self) -> str:
+        layout = "varlen" if self.varlen else "dense"
+        mask = "causal" if self.causal else "full"
+        top = "inf" if self.max_seqlen_k >= UNBOUNDED else self.max_seqlen_k
+        return f"{self.direction}_{self.dtype}_d{self.head_dim}_{mask}_{layout}_k{self.min_seqlen_k}-{top}"
+
+
+def _ranges(kernel: str, head_dim: int, causal: bool, dtype, varlen: bool) -> List[Tuple[int, int, object]]:
+    """[(min_seqlen_k, max_seqlen_k, config)]: the table's choice over key lengths, as ranges."""
+    from ..configs import _TUNED
+
+    bounds = {1, UNBOUNDED}
+    for rule in _TUNED[ARCH][kernel]:
+        bounds.update(b for b in (rule.min_seqlen_k, rule.max_seqlen_k) if 0 < b < UNBOUNDED)
+    edges = sorted(bounds)
+    ranges: List[Tuple[int, int, object]] = []
+    for lo, hi in zip(edges, edges[1:]):
+        cfg = table_config(kernel, ARCH, head_dim, causal, lo, dtype, varlen)
+        if cfg is None:
+            # The table sends these to the portable kernels, which the C library does not embed: it
+            # runs the Hopper config the table uses at the next longer keys instead.
+            later = [table_config(kernel, ARCH, head_dim, causal, e, dtype, varlen) for e in edges if e > lo]
+            cfg = next((c for c in later if c is not None), None)
+        if ranges and ranges[-1][2] == cfg:
+            ranges[-1] = (ranges[-1][0], hi, cfg)
+        else:
+            ranges.append((lo, hi, cfg))
+    return ranges
+
+
+def _meta(*shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def sample_call(head_dim: int, dtype, varlen: bool, seqlen: int = 1024, nheads: int = 4, nheads_k: int = 2):
+    """Meta tensors of one call (GQA), dense or packed (two sequences): q, k, v, out, lse, dout, dq, dk,
+    dv, seqs. Each tensor gets its own size (bindings.check_binding tells them apart by it)."""
+    batch, rows_q, rows_k = (1, 2 * seqlen - 24, 2 * seqlen) if varlen else (2, seqlen - 24, seqlen)
+    q = _meta(batch, rows_q, nheads, head_dim, dtype=dtype)
+    k, v = _meta(batch, rows_k, nheads_k, head_dim, dtype=dtype), _meta(batch, rows_k + 1, nheads_k, head_dim,
+                                                                        dtype=dtype)[:, :rows_k]
+    out, dout, dq = (_meta(batch, rows_q + i, nheads, head_dim, dtype=dtype)[:, :rows_q] for i in (1, 2, 3))
+    dk, dv = (_meta(batch, rows_k + i, nheads_k, head_dim, dtype=dtype)[:, :rows_k] for i in (2, 3))
+    lse = _meta(batch, nheads, rows_q, dtype=torch.float32)
+    seqs = None
+    if varlen:
+        cu_q = torch.tensor([0, seqlen - 24, rows_q], dtype=torch.int32, device="meta")
+        cu_k = torch.tensor([0, seqlen, rows_k, 0], dtype=torch.int32, device="meta")[:3]
+        seqs = PackedSeqs(cu_q, cu_k, seqlen, seqlen)
+    return q, k, v, out, lse, dout, dq, dk, dv, seqs
+
+
+def capture(direction: str, cfg, causal: bool, call) -> list:
+    """The launches the plan of ``direction`` makes for ``call`` (sample_call's tuple) with ``cfg``."""
+    from ..tools import catalog
+
+    q, k, v, out, lse, dout, dq, dk, dv, seqs = call
+    params = ScoreParams(softmax_scale=0.125, window_right=0 if causal else -1)
+    if direction == "forward":
+        return catalog.gluon_forward(q, k, v, out, lse, params, cfg, seqs)
+    pre = table_config(BWD_PREPROCESS, ARCH, q.shape[-1], causal, k.shape[1], q.dtype)
+    return catalog.gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params, cfg, pre, seqs)
+
+
+def entry_bindings(direction: str, cfg, causal: bool, varlen: bool, head_dim: int, dtype) -> List[bindings.Binding]:
+    if direction == "forward":
+        return [bindings.gluon_forward(cfg, causal, varlen)]
+    pre = table_config(BWD_PREPROCESS, ARCH, head_dim, causal, 4096, dtype)
+    counts = bindings.backward_needs_counts(cfg, head_dim, varlen)
+    return [bindings.bwd_preprocess(pre.block_m, counts, varlen), bindings.gluon_backward(cfg, causal, varlen, head_dim),
+            bindings.dq_convert(cfg, varlen, head_dim)]
+
+
+def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[str]) -> List[Entry]:
+    """Every entry of an export of these head dims, dtypes ("fp16", "bf16") and features."""
+    from ..kernels.hopper.tma import HEAD_DIMS
+
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"--features: unknown {sorted(unknown)}; expected some of {', '.join(FEATURES)}")
+    bad = [d for d in head_dims if d not in HEAD_DIMS]
+    if bad:
+        raise ValueError(f"--head-dims: {bad} not served by the Hopper kernels the C library embeds "
+                         f"(head dims {', '.join(map(str, HEAD_DIMS))})")
+    directions = [d for d in ("forward", "backward") if d in features]
+    layouts = [False] + ([True] if "varlen" in features else [])
+    found: List[Entry] = []
+    for direction in directions:
+        kernel = FWD_GLUON if direction == "forward" else BWD_GLUON
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            for head_dim in head_dims:
+                for causal in (False, True):
+                    for varlen in layouts:
+                        call = sample_call(head_dim, dtype, varlen)
+                        for lo, hi, cfg in _ranges(kernel, head_dim, causal, dtype, varlen):
+                            if cfg is None:
+                                continue
+                            found.append(Entry(
+                                direction, dtype_name, head_dim, causal, varlen, lo, hi, cfg,
+                                entry_bindings(direction, cfg, causal, varlen, head_dim, dtype),
+                                capture(direction, cfg, causal, call),
+                                needs_counts=direction == "backward" and bindings.backward_needs_counts(
+                                    cfg, head_dim, varlen)))
+    return found
+
+
+def missing_ranges(found: List[Entry]) -> List[str]:
+    """Combinations whose key lengths the entries do not cover from 1 up (a table with a gap)."""
+    groups: dict = {}
+    for e in found:
+        groups.setdefault((e.direction, e.dtype, e.head_dim, e.causal, e.varlen), []).append(e)
+    gaps = []
+    for key, group in groups.items():
+        reach = 1
+        for e in sorted(group, key=lambda e: e.min_seqlen_k):
+            if e.min_seqlen_k > reach:
+                gaps.append(f"{key}: key lengths {reach}-{e.min_seqlen_k - 1}")
+            reach = max(reach, e.max_seqlen_k)
+        if reach < UNBOUNDED:
+            gaps.append(f"{key}: key lengths from {reach}")
+    return gaps
+
+
+def describe(found: List[Entry]) -> Optional[str]:
+    return "\n".join(e.name for e in found) or None

@@ -1,0 +1,199 @@
+"""The C library (`python -m flashtile export`, flashtile/export/).
+
+CPU: every binding of every exportable entry against the Python host plan it mirrors (captured on
+meta tensors), an export built into libflashtile.so and the CMake package, the host-only argument
+checks of tests/c/check_errors.c, the examples built against the package. GPU (sm90): the C library
+against the Python API on the same inputs, and bad arguments leaving memory untouched."""
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashtile.export import bindings
+from flashtile.export import entries as export_entries
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_TOOLS = all(shutil.which(t) for t in ("cmake", "cc", "ar"))
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_bindings_match_the_python_plans(dtype):
+    """Every argument and grid the C library computes equals what the Python plan passes, for each
+    entry of every head dim, at shapes of several sizes (GQA, MQA, odd lengths)."""
+    found = export_entries.entries([64, 96, 128, 192, 256], [dtype], ["forward", "backward", "varlen"])
+    assert not export_entries.missing_ranges(found)
+    torch_dtype = export_entries.DTYPES[dtype]
+    problems = []
+    for e in found:
+        for seqlen, nheads, nheads_k in ((1000, 4, 2), (77, 8, 8), (3000, 6, 1)):
+            call = export_entries.sample_call(e.head_dim, torch_dtype, e.varlen, seqlen, nheads, nheads_k)
+            q, k, v, out, lse, dout, dq, dk, dv, seqs = call
+            launches = export_entries.capture(e.direction, e.config, e.causal, call)
+            assert len(launches) == len(e.bindings), e.name
+            fields = bindings.call_fields(q, k, v, out, seqs, dout, dq, dk, dv, softmax_scale=0.125)
+            tensors = dict(q=q, k=k, v=v, o=out, lse=lse, do=dout, dq=dq, dk=dk, dv=dv,
+                           cu_q=seqs.cu_seqlens_q if seqs else None, cu_k=seqs.cu_seqlens_k if seqs else None)
+            for binding, launch in zip(e.bindings, launches):
+                problems += [f"{e.name} ({seqlen}, {nheads}/{nheads_k}): {p}"
+                             for p in bindings.check_binding(binding, launch, fields, tensors)]
+    assert not problems, "\n".join(problems[:20])
+
+
+def test_a_wrong_binding_is_caught():
+    """The check is not vacuous: a binding that passes the wrong stride is reported."""
+    e = export_entries.entries([128], ["bf16"], ["forward"])[0]
+    call = export_entries.sample_call(128, torch.bfloat16, False)
+    q, k, v, out, lse, dout, dq, dk, dv, seqs = call
+    launch = export_entries.capture(e.direction, e.config, e.causal, call)[0]
+    fields = bindings.call_fields(q, k, v, out, seqs, softmax_scale=0.125)
+    wrong = bindings.Binding(e.bindings[0].kernel, e.bindings[0].grid,
+                             {**e.bindings[0].params, "stride_lse_h": "lse_sb"})
+    assert any("stride_lse_h" in p for p in bindings.check_binding(wrong, launch, fields, {}))
+
+
+def test_export_rejects_what_it_cannot_embed(tmp_path):
+    from flashtile.tools import export_cmd
+
+    with pytest.raises(SystemExit):
+        export_cmd.main(["--head-dims", "64"])  # --out is required
+    assert export_cmd.main(["--head-dims", "40", "--out", str(tmp_path)]) == 2
+    assert export_cmd.main(["--dtypes", "fp8", "--out", str(tmp_path)]) == 2
+    assert export_cmd.main(["--features", "dropout", "--out", str(tmp_path)]) == 2
+    assert export_cmd.main(["--arch", "sm80", "--out", str(tmp_path)]) == 2
+
+
+def _export_dir(tmp_path_factory, head_dims, dtypes, features) -> str:
+    """An export: FLASHTILE_EXPORT_DIR when set (a prebuilt one, e.g. carried to a GPU machine),
+    else a fresh one."""
+    prebuilt = os.environ.get("FLASHTILE_EXPORT_DIR")
+    if prebuilt:
+        return prebuilt
+    out = str(tmp_path_factory.mktemp("export"))
+    # A process of its own: compiling needs the real Triton, not the interpreter the CPU tests run.
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "flashtile", "export", "--head-dims", ",".join(map(str, head_dims)),
+                          "--dtypes", ",".join(dtypes), "--features", ",".join(features), "--jobs", "2", "--out", out],
+                         env=env, capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_export(tmp_path_factory):
+    if not HAVE_TOOLS:
+        pytest.skip("needs cmake, cc and ar")
+    return _export_dir(tmp_path_factory, [64], ["bf16"], ["forward", "backward", "varlen"])
+
+
+def _cmake_build(source: str, build: str, export_dir: str) -> None:
+    subprocess.run(["cmake", "-S", source, "-B", build, f"-Dflashtile_DIR={export_dir}/lib/cmake/flashtile",
+                    "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True, text=True)
+    subprocess.run(["cmake", "--build", build, "-j", "2"], check=True, capture_output=True, text=True)
+
+
+def test_export_writes_a_library_and_a_cmake_package(small_export):
+    for path in ("include/flashtile.h", "lib/libflashtile.so", "lib/libflashtile_static.a",
+                 "lib/cmake/flashtile/flashtileConfig.cmake", "lib/cmake/flashtile/flashtileConfigVersion.cmake",
+                 "share/flashtile/manifest.json"):
+        assert os.path.exists(os.path.join(small_export, path)), path
+    lib = ctypes.CDLL(os.path.join(small_export, "lib", "libflashtile.so"))
+    lib.flashtile_build_info.restype = ctypes.c_char_p
+    info = lib.flashtile_build_info().decode()
+    assert "head dims: 64" in info and "sm90" in info
+    exported = subprocess.run(["nm", "-D", "--defined-only", os.path.join(small_export, "lib", "libflashtile.so")],
+                              capture_output=True, text=True).stdout
+    symbols = {line.split()[-1] for line in exported.splitlines() if " T " in line}
+    assert symbols == {"flashtile_attention_args_init", "flashtile_attention_forward",
+                       "flashtile_attention_forward_workspace_size", "flashtile_attention_backward",
+                       "flashtile_attention_backward_workspace_size", "flashtile_status_string",
+                       "flashtile_last_error", "flashtile_build_info"}
+
+
+def test_argument_checks_from_c(small_export, tmp_path):
+    """tests/c/check_errors.c, built with CMake against the package: every bad argument gets its
+    status and a message naming it, on a machine without a GPU too."""
+    _cmake_build(os.path.join(ROOT, "tests", "c"), str(tmp_path / "build"), small_export)
+    run = subprocess.run([str(tmp_path / "build" / "check_errors")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 failed" in run.stdout
+
+
+def test_examples_build_against_the_package(small_export, tmp_path):
+    if not (os.path.exists("/usr/local/cuda/include/cuda_runtime.h") or os.environ.get("CUDA_HOME")):
+        pytest.skip("the examples use the CUDA runtime: no CUDA toolkit here")
+    _cmake_build(os.path.join(ROOT, "examples", "c"), str(tmp_path / "build"), small_export)
+    for name in ("mha_fwd_bwd", "varlen_inference"):
+        assert os.access(tmp_path / "build" / name, os.X_OK)
+
+
+# ------------------------------------------------------------------------------------------------
+# On an sm90 GPU
+
+
+@pytest.fixture(scope="module")
+def gpu_export(tmp_path_factory):
+    if not _sm90():
+        pytest.skip("needs an sm90 GPU")
+    if not HAVE_TOOLS:
+        pytest.skip("needs cmake, cc and ar")
+    from flashtile.export.capi import Library
+
+    return Library(_export_dir(tmp_path_factory, [64, 128], ["bf16", "fp16"], ["forward", "backward", "varlen"]))
+
+
+@pytest.mark.parametrize("case", [
+    (2, 1024, 1024, 8, 8, 128, True, None), (2, 1023, 1023, 8, 2, 128, False, None),
+    (1, 113, 1023, 4, 1, 64, True, None), (2, 1, 1023, 8, 8, 64, False, None),
+    (8, 1024, 1024, 8, 2, 128, True, [1, 113, 1023, 517, 64, 2000]),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_c_library_matches_the_python_api(gpu_export, case, dtype):
+    from flashtile.export.compare import check_case
+
+    b, sq, sk, h, hk, d, causal, lengths = case
+    result = check_case(gpu_export, b, sq, sk, h, hk, d, dtype, causal, lengths)
+    assert result["ok"], result
+
+
+def test_bad_arguments_leave_memory_untouched(gpu_export):
+    from flashtile.export.capi import CError
+
+    q, k, v = (torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.full_like(q, 7.0)
+    lse = torch.full((2, 4, 256), 3.0, device="cuda")
+    storage = torch.randn(q.numel() + 8, device="cuda", dtype=torch.bfloat16)
+    bad = {
+        "q misaligned": dict(q=torch.as_strided(storage, q.shape, q.stride(), 1)),
+        "head dim 96 not exported": dict(q=q[..., :96], k=k[..., :96], v=v[..., :96]),
+    }
+    for what, change in bad.items():
+        t = {**dict(q=q, k=k, v=v), **change}
+        o = out if t["q"].shape == q.shape else out[..., :96]
+        a = gpu_export.args(t["q"], t["k"], t["v"], o, lse, causal=True)
+        with pytest.raises(CError):
+            gpu_export.forward(a)
+        torch.cuda.synchronize()
+        assert bool((out == 7.0).all()) and bool((lse == 3.0).all()), what
+    a = gpu_export.args(q, k, v, out, lse, causal=True)
+    a.window_left = 64
+    with pytest.raises(CError, match="window"):
+        gpu_export.forward(a)
+    a = gpu_export.args(q, k, v, out, None, causal=True)
+    size = ctypes.c_size_t()
+    gpu_export.lib.flashtile_attention_forward_workspace_size(ctypes.byref(a), ctypes.byref(size))
+    assert size.value > 0
+    ws = torch.empty(size.value, dtype=torch.uint8, device="cuda")
+    status = gpu_export.lib.flashtile_attention_forward(ctypes.byref(a), ctypes.c_void_p(ws.data_ptr()),
+                                                         ctypes.c_size_t(size.value - 1), None)
+    assert status == 4 and "workspace" in gpu_export.last_error()
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all())
