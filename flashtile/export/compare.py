@@ -58,7 +58,7 @@ def _reference(q, k, v, dout, causal):
     from ..reference import attention_naive
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out = attention_naive(q64, k64, v64, causal=causal)
+    out, _ = attention_naive(q64, k64, v64, causal=causal)
     return (out.detach(), *torch.autograd.grad(out, (q64, k64, v64), dout.double()))
 
 
@@ -78,24 +78,36 @@ def check_case(lib, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype
               "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "causal": causal, "lengths": lengths,
               "bitwise": bitwise, "finite": all(bool(t.isfinite().all()) for t in c)}
     if not all(bitwise.values()):
-        pieces = [(q, k, v, dout)] if varlen is None else [
-            tuple(t[s:e][None] for t in (q, k, v, dout)) for s, e in zip(varlen[0][:-1].tolist(), varlen[0][1:].tolist())]
-        errors = {}
-        for n, i in (("out", 0), ("dq", 2), ("dk", 3), ("dv", 4)):
-            err_py = err_c = 0.0
-            for j, (qs, ks, vs, ds) in enumerate(pieces):
-                ref = _reference(qs, ks, vs, ds, causal)[{0: 0, 2: 1, 3: 2, 4: 3}[i]]
-                if varlen is None:
-                    a, b = py[i], c[i]
-                else:
-                    s, e = varlen[0][j].item(), varlen[0][j + 1].item()
-                    a, b = py[i][s:e][None], c[i][s:e][None]
-                err_py = max(err_py, (a.double() - ref).abs().max().item())
-                err_c = max(err_c, (b.double() - ref).abs().max().item())
-            errors[n] = {"python": err_py, "c": err_c, "ok": err_c <= 2 * err_py + 1e-5}
-        result["errors"] = errors
+        result["errors"] = rule_errors(py, c, q, k, v, dout, causal, varlen)
     result["ok"] = result["finite"] and (all(bitwise.values()) or all(e["ok"] for e in result["errors"].values()))
     return result
+
+
+def rule_errors(py, c, q, k, v, dout, causal, varlen=None, names=("out", "dq", "dk", "dv")) -> dict:
+    """Each result's largest error against the float64 reference, through Python and through C, and
+    whether C's is within FlashAttention's rule (at most twice Python's, plus 1e-5). ``py`` / ``c``:
+    (out, lse, dq, dk, dv), the gradients optional."""
+    index = {"out": 0, "dq": 2, "dk": 3, "dv": 4}
+    spans = [(0, q.shape[1])] if varlen is None else list(zip(varlen[0][:-1].tolist(), varlen[0][1:].tolist()))
+    errors = {}
+    refs = []
+    for s, e in spans:
+        pieces = (q, k, v, dout) if varlen is None else tuple(t[s:e][None] for t in (q, k, v, dout))
+        refs.append(_reference(*pieces, causal) if e > s else None)
+    for n in names:
+        i = index[n]
+        if len(py) <= i:
+            continue
+        err_py = err_c = 0.0
+        for (s, e), ref in zip(spans, refs):
+            if ref is None:
+                continue
+            a, b = (py[i], c[i]) if varlen is None else (py[i][s:e][None], c[i][s:e][None])
+            r = ref[{0: 0, 2: 1, 3: 2, 4: 3}[i]]
+            err_py = max(err_py, (a.double() - r).abs().max().item())
+            err_c = max(err_c, (b.double() - r).abs().max().item())
+        errors[n] = {"python": err_py, "c": err_c, "ok": err_c <= 2 * err_py + 1e-5}
+    return errors
 
 
 def _median_ms(fn, rounds=5, iters=10) -> float:
@@ -120,18 +132,24 @@ def time_case(lib, batch, seqlen, nheads, head_dim, dtype, causal) -> dict:
     a = lib.args(q, k, v, out, lse, causal=causal)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     py_out = flashtile.flash_attn_func(qg, kg, vg, causal=causal)
-    for fn in (lambda: lib.forward(a), lambda: lib.backward(a, dout, dq, dk, dv),
-               lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
-               lambda: py_out.backward(dout, retain_graph=True)):
-        fn()  # warm up (the C library loads its modules on first use)
     flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    def py_bwd():
+        torch.autograd.grad(py_out, (qg, kg, vg), dout, retain_graph=True)
+    paths = {"c_fwd": (lambda: lib.forward(a), flops),
+             "python_fwd": (lambda: flashtile.flash_attn_func(q, k, v, causal=causal), flops),
+             "c_bwd": (lambda: lib.backward(a, dout, dq, dk, dv), 2.5 * flops),
+             "python_bwd": (py_bwd, 2.5 * flops)}
+    for fn, _ in paths.values():
+        fn()  # warm up (the C library loads its modules on first use)
     row = {"batch": batch, "seqlen": seqlen, "nheads": nheads, "head_dim": head_dim, "causal": causal,
            "dtype": str(dtype).replace("torch.", "")}
-    for name, fn, work in (("c_fwd", lambda: lib.forward(a), flops),
-                           ("python_fwd", lambda: flashtile.flash_attn_func(q, k, v, causal=causal), flops),
-                           ("c_bwd", lambda: lib.backward(a, dout, dq, dk, dv), 2.5 * flops),
-                           ("python_bwd", lambda: py_out.backward(dout, retain_graph=True), 2.5 * flops)):
-        ms = _median_ms(fn)
+    # Rounds alternate between the paths, so clocks and temperature treat them alike.
+    samples = {name: [] for name in paths}
+    for _ in range(7):
+        for name, (fn, _) in paths.items():
+            samples[name].append(_median_ms(fn, rounds=1, iters=10))
+    for name, (_, work) in paths.items():
+        ms = statistics.median(samples[name])
         row[name + "_ms"] = round(ms, 4)
         row[name + "_tflops"] = round(work / ms / 1e9, 1)
     return row
@@ -149,12 +167,70 @@ CASES = [
 ]
 
 
+def check_dump(directory: str) -> dict:
+    """The files an example wrote with --dump (examples/c): its inputs through the Python API, compared
+    with its outputs (bitwise, else FlashAttention's rule against the float64 reference)."""
+    import os
+
+    import numpy as np
+
+    with open(os.path.join(directory, "meta.json")) as f:
+        meta = json.load(f)
+    dtype = torch.bfloat16 if meta["dtype"] == "bf16" else torch.float16
+
+    def load(name, shape, dt=dtype):
+        raw = np.fromfile(os.path.join(directory, name), dtype=np.int16 if dt != torch.float32 else np.float32)
+        return torch.from_numpy(raw).view(dt).reshape(shape).cuda()
+    h, hk, d = meta["heads"], meta["heads_k"], meta["head_dim"]
+    lengths = meta.get("lengths")
+    if lengths:
+        total = sum(lengths)
+        q, k, v = load("q.bin", (total, h, d)), load("k.bin", (total, hk, d)), load("v.bin", (total, hk, d))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        import flashtile
+
+        out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                       causal=meta["causal"], return_attn_probs=True)
+        theirs = {"out": load("out.bin", (total, h, d)), "lse": load("lse.bin", (h, total), torch.float32)}
+        ours = {"out": out, "lse": lse}
+    else:
+        b, sq, sk = meta["batch"], meta["seqlen_q"], meta["seqlen_k"]
+        q, dout = load("q.bin", (b, sq, h, d)), load("dout.bin", (b, sq, h, d))
+        k, v = load("k.bin", (b, sk, hk, d)), load("v.bin", (b, sk, hk, d))
+        py = _python(q, k, v, dout, meta["causal"])
+        ours = dict(zip(("out", "lse", "dq", "dk", "dv"), py))
+        theirs = {"out": load("out.bin", q.shape), "lse": load("lse.bin", (b, h, sq), torch.float32),
+                  "dq": load("dq.bin", q.shape), "dk": load("dk.bin", k.shape), "dv": load("dv.bin", v.shape)}
+    result = {"dump": directory, "bitwise": {n: bool(torch.equal(ours[n], theirs[n])) for n in ours},
+              "max_abs_diff": {n: (ours[n].float() - theirs[n].float()).abs().max().item() for n in ours}}
+    if not all(result["bitwise"].values()):
+        names = ("out", "lse", "dq", "dk", "dv")
+        varlen = (cu, max(lengths)) if lengths else None
+        dout_ = torch.zeros_like(q) if lengths else dout
+        result["errors"] = rule_errors(tuple(ours[n] for n in names if n in ours),
+                                       tuple(theirs[n] for n in names if n in theirs), q, k, v, dout_,
+                                       meta["causal"], varlen, names=[n for n in ("out", "dq", "dk", "dv") if n in ours])
+    result["ok"] = all(result["bitwise"].values()) or all(e["ok"] for e in result["errors"].values())
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashtile.export.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lib", required=True, help="an export directory (or libflashtile.so)")
+    parser.add_argument("--lib", help="an export directory (or libflashtile.so)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--dump", nargs="*", default=[], help="example --dump directories to check instead")
     args = parser.parse_args(argv)
+    if args.dump:
+        results = [check_dump(d) for d in args.dump]
+        for r in results:
+            print(f"{'ok  ' if r['ok'] else 'DIFF'} {r['dump']}: bitwise {r['bitwise']} max diff {r['max_abs_diff']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0 if all(r["ok"] for r in results) else 1
+    if not args.lib:
+        parser.error("--lib is required (or --dump)")
     lib = Library(args.lib)
     exported = lib.build_info()
     cases, timings = [], []
