@@ -6,6 +6,7 @@ checks of tests/c/check_errors.c, the examples built against the package. GPU (s
 against the Python API on the same inputs, and bad arguments leaving memory untouched."""
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -25,26 +26,53 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_bindings_match_the_python_plans(dtype):
-    """Every argument and grid the C library computes equals what the Python plan passes, for each
-    entry of every head dim, at shapes of several sizes (GQA, MQA, odd lengths)."""
-    found = export_entries.entries([64, 96, 128, 192, 256], [dtype], ["forward", "backward", "varlen"])
-    assert not export_entries.missing_ranges(found)
-    torch_dtype = export_entries.DTYPES[dtype]
+def _check_entries(found) -> list:
+    """check_binding over each entry's launches, captured at shapes of several sizes (GQA, MQA, odd
+    lengths), with the entry's score options (ALiBi slopes per batch on dense calls)."""
     problems = []
     for e in found:
-        for seqlen, nheads, nheads_k in ((1000, 4, 2), (77, 8, 8), (3000, 6, 1)):
-            call = export_entries.sample_call(e.head_dim, torch_dtype, e.varlen, seqlen, nheads, nheads_k)
+        for seqlen, nheads, nheads_k in ((1000, 4, 2), (77, 8, 8), (300, 6, 1)):
+            call = export_entries.sample_call(e.head_dim, export_entries.DTYPES[e.dtype], e.varlen, seqlen, nheads,
+                                              nheads_k)
             q, k, v, out, lse, dout, dq, dk, dv, seqs = call
-            launches = export_entries.capture(e.direction, e.config, e.causal, call)
+            alibi = None
+            if e.portable:
+                params = export_entries.score_params(e.options, e.causal, nheads)
+                if "alibi" in e.options:
+                    alibi = torch.empty((nheads,) if e.varlen else (q.shape[0], nheads), device="meta")
+                    params = dataclasses.replace(params, alibi_slopes=alibi)
+                launches = export_entries.capture_portable(e.direction, e.config, params, call)
+                window, softcap = (params.window_left, params.window_right), params.softcap
+            else:
+                launches = export_entries.capture(e.direction, e.config, e.causal, call)
+                window, softcap = (-1, -1), 0.0
             assert len(launches) == len(e.bindings), e.name
-            fields = bindings.call_fields(q, k, v, out, seqs, dout, dq, dk, dv, softmax_scale=0.125)
-            tensors = dict(q=q, k=k, v=v, o=out, lse=lse, do=dout, dq=dq, dk=dk, dv=dv,
+            fields = bindings.call_fields(q, k, v, out, seqs, dout, dq, dk, dv, softmax_scale=0.125, window=window,
+                                          softcap=softcap, alibi=alibi)
+            tensors = dict(q=q, k=k, v=v, o=out, lse=lse, do=dout, dq=dq, dk=dk, dv=dv, alibi=alibi,
                            cu_q=seqs.cu_seqlens_q if seqs else None, cu_k=seqs.cu_seqlens_k if seqs else None)
             for binding, launch in zip(e.bindings, launches):
                 problems += [f"{e.name} ({seqlen}, {nheads}/{nheads_k}): {p}"
                              for p in bindings.check_binding(binding, launch, fields, tensors)]
+    return problems
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_hopper_bindings_match_the_python_plans(dtype):
+    """Every argument and grid the C library computes for the Hopper kernels equals what the Python
+    plan passes, for each entry of every head dim."""
+    found = export_entries.entries([64, 96, 128, 192, 256], [dtype], ["forward", "backward", "varlen"])
+    assert not export_entries.missing_ranges(found)
+    problems = _check_entries(found)
+    assert not problems, "\n".join(problems[:20])
+
+
+def test_portable_bindings_match_the_python_plans():
+    """The same for the portable kernels (windows, softcap, ALiBi; head dims off the Hopper list)."""
+    found = export_entries.entries([40, 128], ["bf16"], list(export_entries.FEATURES))
+    portable = [e for e in found if e.portable]
+    assert len(portable) == (18 + 20) * 5  # option sets x (dense, packed, packed decode forward; 2 backward)
+    problems = _check_entries(portable)
     assert not problems, "\n".join(problems[:20])
 
 
@@ -65,7 +93,7 @@ def test_export_rejects_what_it_cannot_embed(tmp_path):
 
     with pytest.raises(SystemExit):
         export_cmd.main(["--head-dims", "64"])  # --out is required
-    assert export_cmd.main(["--head-dims", "40", "--out", str(tmp_path)]) == 2
+    assert export_cmd.main(["--head-dims", "300", "--out", str(tmp_path)]) == 2
     assert export_cmd.main(["--dtypes", "fp8", "--out", str(tmp_path)]) == 2
     assert export_cmd.main(["--features", "dropout", "--out", str(tmp_path)]) == 2
     assert export_cmd.main(["--arch", "sm80", "--out", str(tmp_path)]) == 2

@@ -46,7 +46,8 @@ def _compile_entry(args):
     from . import aot, entries
 
     entry = entries.entries(head_dims, dtypes, features)[index]
-    return index, [aot.compile_kernel(launch, binding) for binding, launch in zip(entry.bindings, entry.launches)]
+    return index, [aot.compile_kernel(launch, binding, entry.hinted)
+                   for binding, launch in zip(entry.bindings, entry.launches)]
 
 
 def export(out: str, head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[str],

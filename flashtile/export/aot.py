@@ -53,9 +53,11 @@ def _stride_hint(binding: bindings.Binding, name: str, expr: str) -> bool:
     return (inner.group(1) if inner else expr) in bindings.CHECKED_STRIDE_FIELDS
 
 
-def compile_kernel(launch, binding: bindings.Binding, arch: int = 90) -> Kernel:
+def compile_kernel(launch, binding: bindings.Binding, hinted: bool = True, arch: int = 90) -> Kernel:
     """Compile ``launch`` (a captured tools.catalog.Launch) for sm<arch> with the assumptions the
-    C library guarantees, and lay out its parameters from ``binding``."""
+    C library guarantees, and lay out its parameters from ``binding``. ``hinted``: stride arguments
+    of caller tensors keep the divisibility hint (the library checks them; entries.Entry.hinted).
+    An argument the binding fixes to a literal keeps the JIT's specialisation on that value."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -73,10 +75,12 @@ def compile_kernel(launch, binding: bindings.Binding, arch: int = 90) -> Kernel:
         if p.is_constexpr or p.name not in binding.params:
             continue
         source = binding.params[p.name]
+        if isinstance(source, str) and re.fullmatch(r"-?\d+", source):
+            continue  # the same value in every call: the JIT's specialisation holds
         if isinstance(source, str):  # an integer argument: i32, hinted only for checked strides
             signature[p.name] = "i32"
             constexprs.pop((index,), None)
-            attrs[(index,)] = [["tt.divisibility", 16]] if _stride_hint(binding, p.name, source) else []
+            attrs[(index,)] = [["tt.divisibility", 16]] if hinted and _stride_hint(binding, p.name, source) else []
         elif isinstance(source, bindings.Pointer):
             attrs[(index,)] = [["tt.divisibility", 16]] if source.aligned else []
     source_type = ASTSource

@@ -35,11 +35,13 @@ INT_FIELDS = (
     "sm_count",     # multiprocessors of the device
     "row_stride",   # floats per (batch, head) row of the backward's delta / lse_log2 (rows_q padded to 4)
     "lse_sb", "lse_sh",  # the forward's lse strides: dense (nheads*rows_q, rows_q), packed (0, rows_q)
+    "window_left", "window_right",  # the window's sides, each at least 0 (unbounded sides are constexpr off)
+    "alibi_sb",     # the ALiBi slopes' batch stride: 0 for (nheads,) slopes
     *(f"{t}_{s}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for s in ("sb", "ss", "sh")),
 )
-FLOAT_FIELDS = ("softmax_scale",)
+FLOAT_FIELDS = ("softmax_scale", "softcap")
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "do", "dq", "dk", "dv", "cu_q", "cu_k", "delta", "lse_log2", "dq_acc",
-                  "counts")
+                  "counts", "alibi")
 
 # Tensors of the caller whose strides the library checks to be multiples of 16 elements (and whose
 # bases to be 16-byte aligned), so their stride arguments compile with Triton's divisibility hint as
@@ -134,8 +136,9 @@ def backward_needs_counts(cfg: GluonBwdConfig, head_dim: int, varlen: bool) -> b
                            or cfg.overlap_convert)
 
 
-def bwd_preprocess(block_m: int, needs_counts: bool, varlen: bool) -> Binding:
-    """kernels/portable/launch.preprocess_call, zeroing the dQ accumulator (and the counts)."""
+def bwd_preprocess(block_m: int, needs_counts: bool, varlen: bool, zero: bool = True) -> Binding:
+    """kernels/portable/launch.preprocess_call, zeroing the dQ accumulator (and the counts) when
+    ``zero`` (the Hopper backward's)."""
     params = {
         "Out": Pointer("o"), "DOut": Pointer("do"), "Lse": Pointer("lse"), "Delta": Pointer("delta"),
         "LseLog2": Pointer("lse_log2"),
@@ -143,10 +146,12 @@ def bwd_preprocess(block_m: int, needs_counts: bool, varlen: bool) -> Binding:
         "stride_dob": _batch_stride("do_sb"), "stride_dos": "do_ss", "stride_doh": "do_sh",
         "stride_lse_b": _batch_stride("nheads * rows_q"), "stride_lse_h": "rows_q",
         "stride_delta_b": _batch_stride("nheads * row_stride"), "stride_delta_h": "row_stride",
-        "ZeroRows": Pointer("dq_acc"), "stride_zero_b": _batch_stride("rows_q * nheads * head_dim"),
-        "stride_zero_s": "nheads * head_dim", "stride_zero_h": "head_dim",
+        "stride_zero_b": _batch_stride("rows_q * nheads * head_dim") if zero else "0",
+        "stride_zero_s": "nheads * head_dim" if zero else "0", "stride_zero_h": "head_dim" if zero else "0",
         "nheads_k": "nheads_k" if needs_counts else "0", "nheads": "nheads", "seqlen_q": "rows_q",
     }
+    if zero:
+        params["ZeroRows"] = Pointer("dq_acc")
     if needs_counts:
         params["ZeroCounts"] = Pointer("counts")
     if varlen:
@@ -212,6 +217,70 @@ def dq_convert(cfg: GluonBwdConfig, varlen: bool, head_dim: int) -> Binding:
                    stride_params=("stride_dqb", "stride_dqs", "stride_dqh"))
 
 
+def _score_params(options, scale_in_exp2: bool = True) -> dict:
+    """ScoreParams.kernel_args's runtime values for an entry's options (a set of "left", "right",
+    "softcap", "alibi"): the scales, window sides and ALiBi slopes."""
+    softcap = "softcap" in options
+    if softcap:
+        qk_scale = "softmax_scale / softcap"
+    else:
+        qk_scale = f"softmax_scale * {LOG2E!r}" if scale_in_exp2 else "softmax_scale"
+    params = {"qk_scale": ("float", qk_scale), "softcap_log2": ("float", f"softcap * {LOG2E!r}" if softcap else "0.0"),
+              "window_left": "window_left" if "left" in options else "0",
+              "window_right": "window_right" if "right" in options else "0",
+              "dropout_p": ("float", "0.0"), "stride_alibi_b": "alibi_sb" if "alibi" in options else "0"}
+    if "alibi" in options:
+        params["AlibiSlopes"] = Pointer("alibi")
+    return params
+
+
+def _bsh(prefix: str, tensor: str) -> dict:
+    """(batch, seq, head) stride arguments, the batch stride 0 for a batch of one."""
+    return {f"stride_{prefix}b": _batch_stride(f"{tensor}_sb"), f"stride_{prefix}s": f"{tensor}_ss",
+            f"stride_{prefix}h": f"{tensor}_sh"}
+
+
+def portable_forward(cfg, options, varlen: bool, use_tma: bool) -> Binding:
+    """kernels/portable/launch.PortableForward (no split, no pages)."""
+    from ..kernels.portable.launch import PortableForward  # noqa: F401 (the plan this mirrors)
+
+    if use_tma:
+        tensors = {"Q": _tensor4("q", "rows_q", "nheads"), "K": _tensor4("k", "rows_k", "nheads_k"),
+                   "V": _tensor4("v", "rows_k", "nheads_k"), "Out": _tensor4("o", "rows_q", "nheads")}
+    else:
+        tensors = {"Q": Pointer("q"), "K": Pointer("k"), "V": Pointer("v"), "Out": Pointer("o")}
+    params = {**tensors, "Lse": Pointer("lse"), **_bsh("q", "q"), **_bsh("k", "k"), **_bsh("v", "v"),
+              **_bsh("o", "o"), "stride_lse_b": _batch_stride("nheads * rows_q"), "stride_lse_h": "rows_q",
+              "stride_bt": "0", "seq_pages": "0", "num_pages": "0", "num_splits": "1", "keys_per_split": "0",
+              "split_stride_o": "0", "split_stride_lse": "0", "nheads": "nheads",
+              "head_group": "DIV(nheads, nheads_k)", "seqlen_q": "rows_q", "seqlen_k": "rows_k",
+              **_score_params(options)}
+    if varlen:
+        params.update({"CuSeqlensQ": Pointer("cu_q"), "CuSeqlensK": Pointer("cu_k")})
+    return Binding("attn_fwd_kernel", (f"CDIV(max_seqlen_q, {cfg.block_m})", "nheads", "n_seqs"), params,
+                   stride_params=tuple(n for n in params if n.startswith("stride_") and n[7] in "qkvo"))
+
+
+def portable_backward(kernel: str, cfg, options, varlen: bool) -> Binding:
+    """kernels/portable/launch.portable_bwd_call: the dK/dV ("attn_bwd_dkdv_kernel") or dQ kernel."""
+    dkdv = kernel == "attn_bwd_dkdv_kernel"
+    grads = {"DK": Pointer("dk"), "DV": Pointer("dv"), **_bsh("dk", "dk"), **_bsh("dv", "dv")} if dkdv else \
+        {"DQ": Pointer("dq"), **_bsh("dq", "dq")}
+    params = {"Q": Pointer("q"), "K": Pointer("k"), "V": Pointer("v"), "DOut": Pointer("do"),
+              "LseLog2": Pointer("lse_log2"), "Delta": Pointer("delta"), **grads,
+              **_bsh("q", "q"), **_bsh("k", "k"), **_bsh("v", "v"), **_bsh("do", "do"),
+              "stride_delta_b": _batch_stride("nheads * row_stride"), "stride_delta_h": "row_stride",
+              "nheads": "nheads", "head_group": "DIV(nheads, nheads_k)", "seqlen_q": "rows_q", "seqlen_k": "rows_k",
+              "softmax_scale": ("float", "softmax_scale"), **_score_params(options)}
+    if varlen:
+        params.update({"CuSeqlensQ": Pointer("cu_q"), "CuSeqlensK": Pointer("cu_k")})
+    grid = ((f"CDIV(max_seqlen_k, {cfg.block_n})", "nheads_k", "n_seqs") if dkdv
+            else (f"CDIV(max_seqlen_q, {cfg.block_m})", "nheads", "n_seqs"))
+    return Binding(kernel, grid, params,
+                   stride_params=tuple(n for n in params if n.startswith("stride_") and not n.startswith("stride_d")
+                                       or n.startswith(("stride_do", "stride_dk", "stride_dv", "stride_dq"))))
+
+
 # ----------------------------------------------------------------------------------------------
 # Evaluation in Python (the tests' side of the check)
 
@@ -231,7 +300,7 @@ def evaluate(expr: str, fields: dict):
 
 
 def call_fields(q, k, v, out, seqs=None, dout=None, dq=None, dk=None, dv=None, softmax_scale=1.0,
-                sm_count=132) -> dict:
+                sm_count=132, window=(-1, -1), softcap=0.0, alibi=None) -> dict:
     """ft_call's integer and float fields for a call on these (b, s, h, d) tensors (the packed ones as
     batch-1 views), as the C library fills them (attention.c)."""
     batch, rows_q, nheads, head_dim = q.shape
@@ -243,7 +312,9 @@ def call_fields(q, k, v, out, seqs=None, dout=None, dq=None, dk=None, dv=None, s
          "max_seqlen_k": seqs.max_seqlen_k if varlen else rows_k,
          "nheads": nheads, "nheads_k": nheads_k, "head_dim": head_dim, "sm_count": sm_count,
          "row_stride": (rows_q + 3) // 4 * 4,
-         "lse_sb": 0 if varlen else nheads * rows_q, "lse_sh": rows_q, "softmax_scale": softmax_scale}
+         "lse_sb": 0 if varlen else nheads * rows_q, "lse_sh": rows_q, "softmax_scale": softmax_scale,
+         "window_left": max(window[0], 0), "window_right": max(window[1], 0), "softcap": softcap,
+         "alibi_sb": alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0}
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         t = q if t is None else t
         f[f"{name}_sb"], f[f"{name}_ss"], f[f"{name}_sh"] = t.stride(0), t.stride(1), t.stride(2)

@@ -6,7 +6,8 @@ import re
 from typing import Dict, List, Sequence
 
 from . import aot, bindings
-from .entries import UNBOUNDED, Entry
+from ..configs import DECODE_MAX_ROWS
+from .entries import OPTIONS, UNBOUNDED, Entry
 
 _POINTER_NAMES = {"do": "dout"}  # ft_call's C name of a pointer field ("do" is a C keyword)
 _FIELDS = set(bindings.INT_FIELDS) | set(bindings.FLOAT_FIELDS)
@@ -97,12 +98,17 @@ def generate(found: Sequence[Entry], compiled: Dict[tuple, aot.Kernel], build_in
     out.append("const ft_entry ft_entries[] = {")
     for e_index, e in enumerate(found):
         top = "INT64_MAX" if e.max_seqlen_k >= UNBOUNDED else str(e.max_seqlen_k)
+        options = sum(1 << i for i, name in enumerate(OPTIONS) if name in e.options)
+        if not e.portable and e.causal:
+            options = 1 << OPTIONS.index("right")  # causal: the right side of the window at 0
         out.append(f"    {{{'FT_FORWARD' if e.direction == 'forward' else 'FT_BACKWARD'}, {_DTYPE_CODES[e.dtype]}, "
-                   f"{e.head_dim}, {int(e.causal)}, {int(e.varlen)}, {e.min_seqlen_k}, {top}, "
-                   f"{int(e.needs_counts)}, entry_{e_index}, \"{e.name}\"}},")
+                   f"{e.head_dim}, {int(e.causal)}, {int(e.varlen)}, {options}, {e.decode}, {e.min_seqlen_k}, "
+                   f"{top}, {int(e.needs_counts)}, {int(e.direction == 'backward' and not e.portable)}, "
+                   f"entry_{e_index}, \"{e.name}\"}},")
     out += ["};", f"const int ft_entry_count = {len(found)};",
             f"const int ft_head_dims[] = {{{', '.join(map(str, head_dims))}}};",
             f"const int ft_head_dim_count = {len(head_dims)};",
+            f"const int ft_decode_max_rows = {DECODE_MAX_ROWS};",
             "const char ft_build_info[] = " + _c_string(build_info) + ";", ""]
     return "\n".join(out)
 

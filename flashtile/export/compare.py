@@ -27,21 +27,22 @@ def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, seed=0):
             r(batch, seqlen_k, nheads_k, head_dim), r(batch, seqlen_q, nheads, head_dim))
 
 
-def _python(q, k, v, dout, causal, varlen=None):
+def _python(q, k, v, dout, causal, varlen=None, options=None):
     import flashtile
 
+    options = options or {}
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if varlen is None:
-        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **options)
     else:
         cu, max_len = varlen
         out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal,
-                                                       return_attn_probs=True)
+                                                       return_attn_probs=True, **options)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return out.detach(), lse.detach(), dq, dk, dv
 
 
-def _c(lib, q, k, v, dout, causal, varlen=None):
+def _c(lib, q, k, v, dout, causal, varlen=None, options=None):
     out, dq = (torch.full_like(q, float("nan")) for _ in range(2))
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0])
@@ -49,20 +50,28 @@ def _c(lib, q, k, v, dout, causal, varlen=None):
     extra = {} if varlen is None else dict(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[0], max_seqlen_q=varlen[1],
                                            max_seqlen_k=varlen[1])
     a = lib.args(q, k, v, out, lse, causal=causal, **extra)
+    options = options or {}
+    a.window_left, a.window_right = options.get("window_size", (-1, -1))
+    a.softcap = options.get("softcap", 0.0)
+    slopes = options.get("alibi_slopes")
+    if slopes is not None:
+        a.alibi_slopes = slopes.data_ptr()
+        a.alibi_batch_stride = slopes.stride(0) if slopes.dim() == 2 else 0
     lib.forward(a)
     lib.backward(a, dout, dq, dk, dv)
     return out, lse, dq, dk, dv
 
 
-def _reference(q, k, v, dout, causal):
+def _reference(q, k, v, dout, causal, options=None):
     from ..reference import attention_naive
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out, _ = attention_naive(q64, k64, v64, causal=causal)
+    out, _ = attention_naive(q64, k64, v64, causal=causal, **(options or {}))
     return (out.detach(), *torch.autograd.grad(out, (q64, k64, v64), dout.double()))
 
 
-def check_case(lib, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal, lengths=None) -> dict:
+def check_case(lib, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, causal, lengths=None,
+               window=(-1, -1), softcap=0.0, alibi=False) -> dict:
     q, k, v, dout = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     varlen = None
     if lengths is not None:  # packed: the sequences of `lengths`, q / k / v (total, h, d)
@@ -70,20 +79,30 @@ def check_case(lib, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype
         q, k, v, dout = (t.reshape(-1, *t.shape[2:])[:total].contiguous() for t in (q, k, v, dout))
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         varlen = (cu, max(lengths))
-    py = _python(q, k, v, dout, causal, varlen)
-    c = _c(lib, q, k, v, dout, causal, varlen)
+    options = {}
+    if window != (-1, -1):
+        options["window_size"] = window
+    if softcap:
+        options["softcap"] = softcap
+    if alibi:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        shape = (nheads,) if lengths is not None else (batch, nheads)
+        options["alibi_slopes"] = torch.rand(shape, generator=g, device="cuda") * 0.3
+    py = _python(q, k, v, dout, causal, varlen, options)
+    c = _c(lib, q, k, v, dout, causal, varlen, options)
     names = ("out", "lse", "dq", "dk", "dv")
     bitwise = {n: bool(torch.equal(a, b)) for n, a, b in zip(names, py, c)}
     result = {"batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "nheads": nheads, "nheads_k": nheads_k,
               "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "causal": causal, "lengths": lengths,
+              "window": list(window), "softcap": softcap, "alibi": alibi,
               "bitwise": bitwise, "finite": all(bool(t.isfinite().all()) for t in c)}
     if not all(bitwise.values()):
-        result["errors"] = rule_errors(py, c, q, k, v, dout, causal, varlen)
+        result["errors"] = rule_errors(py, c, q, k, v, dout, causal, varlen, options=options)
     result["ok"] = result["finite"] and (all(bitwise.values()) or all(e["ok"] for e in result["errors"].values()))
     return result
 
 
-def rule_errors(py, c, q, k, v, dout, causal, varlen=None, names=("out", "dq", "dk", "dv")) -> dict:
+def rule_errors(py, c, q, k, v, dout, causal, varlen=None, names=("out", "dq", "dk", "dv"), options=None) -> dict:
     """Each result's largest error against the float64 reference, through Python and through C, and
     whether C's is within FlashAttention's rule (at most twice Python's, plus 1e-5). ``py`` / ``c``:
     (out, lse, dq, dk, dv), the gradients optional."""
@@ -93,7 +112,10 @@ def rule_errors(py, c, q, k, v, dout, causal, varlen=None, names=("out", "dq", "
     refs = []
     for s, e in spans:
         pieces = (q, k, v, dout) if varlen is None else tuple(t[s:e][None] for t in (q, k, v, dout))
-        refs.append(_reference(*pieces, causal) if e > s else None)
+        opts = dict(options or {})
+        if varlen is not None and "alibi_slopes" in opts and opts["alibi_slopes"].dim() == 2:
+            opts["alibi_slopes"] = opts["alibi_slopes"][len(refs)]
+        refs.append(_reference(*pieces, causal, opts) if e > s else None)
     for n in names:
         i = index[n]
         if len(py) <= i:
@@ -164,6 +186,20 @@ CASES = [
     (8, 1024, 1024, 8, 2, 128, True, [1, 113, 1023, 517, 64, 2000]),
     (8, 1024, 1024, 8, 2, 64, True, [1, 113, 1023, 517, 64, 2000]),
     (8, 1024, 1024, 8, 8, 64, False, [700, 33, 1024]),
+]
+
+# Score options (the portable entries; export with --features window,softcap,alibi):
+# batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, lengths, window, softcap, alibi
+OPTION_CASES = [
+    (2, 1024, 1024, 8, 2, 128, False, None, (256, 0), 0.0, False),
+    (2, 777, 777, 8, 8, 128, True, None, (128, -1), 0.0, False),
+    (2, 1024, 1024, 4, 4, 128, False, None, (-1, -1), 30.0, False),
+    (2, 1023, 1023, 4, 2, 128, True, None, (-1, -1), 0.0, True),
+    (2, 512, 512, 4, 4, 128, False, None, (64, 32), 20.0, True),
+    (8, 1024, 1024, 8, 2, 128, True, [1, 113, 1023, 517], (-1, -1), 30.0, True),
+    (8, 1024, 1024, 8, 2, 128, False, [1, 1, 1, 1], (64, 0), 0.0, False),
+    (2, 333, 333, 4, 4, 40, True, None, (-1, -1), 0.0, False),
+    (2, 333, 333, 4, 2, 40, False, None, (64, 16), 10.0, True),
 ]
 
 
@@ -238,13 +274,26 @@ def main(argv=None) -> int:
         if ("bf16" if dtype == torch.bfloat16 else "fp16") not in exported.split("dtypes:")[1].split(";")[0]:
             continue
         for b, sq, sk, h, hk, d, causal, lengths in CASES:
-            if f"{d}" not in exported.split("head dims:")[1].split(";")[0]:
+            if f" {d}," not in f" {exported.split('head dims:')[1].split(';')[0].strip()},":
                 continue
             r = check_case(lib, b, sq, sk, h, hk, d, dtype, causal, lengths)
             cases.append(r)
             same = "bitwise" if all(r["bitwise"].values()) else "rule" if r["ok"] else "FAIL"
             print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['dtype']} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} "
                   f"{'causal' if causal else 'full'}{' varlen' if lengths else ''}: {same}", flush=True)
+    features = exported.split("features:")[1].split("\n")[0]
+    for dtype in (torch.bfloat16,):
+        for b, sq, sk, h, hk, d, causal, lengths, window, softcap, alibi in OPTION_CASES:
+            heads = exported.split("head dims:")[1].split(";")[0]
+            if f" {d}," not in f" {heads}," or (window != (-1, -1) and "window" not in features) or \
+                    (softcap and "softcap" not in features) or (alibi and "alibi" not in features) or \
+                    (lengths and "varlen" not in features):
+                continue
+            r = check_case(lib, b, sq, sk, h, hk, d, dtype, causal, lengths, window, softcap, alibi)
+            cases.append(r)
+            same = "bitwise" if all(r["bitwise"].values()) else "rule" if r["ok"] else "FAIL"
+            print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['dtype']} b{b} sq{sq} h{h}/{hk} d{d} {'causal' if causal else ''} "
+                  f"window {window} softcap {softcap} alibi {alibi}{' varlen' if lengths else ''}: {same}", flush=True)
     if not args.no_timing:
         for seqlen, batch in ((4096, 4), (16384, 1)):
             timings.append(time_case(lib, batch, seqlen, 16, 128, torch.bfloat16, True))

@@ -7,18 +7,22 @@ library computes their runtime arguments. The C library picks an entry the way t
 picks a config: the first entry whose key-length range holds the call's (longest) key length.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..configs import BWD_GLUON, BWD_PREPROCESS, FWD_GLUON, table_config
+from itertools import product
+
+from ..configs import BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_DECODE, FWD_GLUON, table_config
 from ..options import PackedSeqs, ScoreParams
 from . import bindings
 
 ARCH = "sm90"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-FEATURES = ("forward", "backward", "varlen")
+FEATURES = ("forward", "backward", "varlen", "window", "softcap", "alibi")
+# The score options a portable entry is built for (its constexpr flags), as the C library names them.
+OPTIONS = ("left", "right", "softcap", "alibi")
 UNBOUNDED = 2**62
 
 
@@ -35,13 +39,27 @@ class Entry:
     bindings: List[bindings.Binding]
     launches: list            # the captured tools.catalog.Launch of each binding, in order
     needs_counts: bool = False
+    options: frozenset = frozenset()  # portable entries: the score options (OPTIONS) compiled in
+    decode: int = -1          # packed portable forwards: 1 for at most configs.DECODE_MAX_ROWS query rows, 0 above
+    portable: bool = False
+
+    @property
+    def hinted(self) -> bool:
+        """Whether strides compile with the divisibility hint (head dims that are multiples of 16: the C
+        library then checks strides to be multiples of 16)."""
+        return self.head_dim % 16 == 0
 
     @property
     def name(self) -> str:
         layout = "varlen" if self.varlen else "dense"
+        if self.decode == 1:
+            layout += "-decode"
         mask = "causal" if self.causal else "full"
+        if self.options - {"right"} or ("right" in self.options and not self.causal):
+            mask = "+".join(o for o in OPTIONS if o in self.options) + ("-causal" if self.causal else "")
         top = "inf" if self.max_seqlen_k >= UNBOUNDED else self.max_seqlen_k
-        return f"{self.direction}_{self.dtype}_d{self.head_dim}_{mask}_{layout}_k{self.min_seqlen_k}-{top}"
+        kind = "portable_" if self.portable else ""
+        return f"{self.direction}_{kind}{self.dtype}_d{self.head_dim}_{mask}_{layout}_k{self.min_seqlen_k}-{top}"
 
 
 def _ranges(kernel: str, head_dim: int, causal: bool, dtype, varlen: bool) -> List[Tuple[int, int, object]]:
@@ -89,6 +107,24 @@ def sample_call(head_dim: int, dtype, varlen: bool, seqlen: int = 1024, nheads: 
     return q, k, v, out, lse, dout, dq, dk, dv, seqs
 
 
+def score_params(options, causal: bool, nheads: int = 4) -> ScoreParams:
+    """Sample score options of an entry: the windows' sides 32 / 16 keys, softcap 30, ALiBi slopes."""
+    right = 0 if causal else (16 if "right" in options else -1)
+    alibi = torch.empty(nheads, dtype=torch.float32, device="meta") if "alibi" in options else None
+    return ScoreParams(softmax_scale=0.125, window_left=32 if "left" in options else -1, window_right=right,
+                       softcap=30.0 if "softcap" in options else 0.0, alibi_slopes=alibi)
+
+
+def capture_portable(direction: str, cfgs, params: ScoreParams, call) -> list:
+    """The launches of the portable forward (cfgs: its config) or backward ((preprocess, dK/dV, dQ))."""
+    from ..tools import catalog
+
+    q, k, v, out, lse, dout, dq, dk, dv, seqs = call
+    if direction == "forward":
+        return catalog.portable_forward(q, k, v, out, lse, params, cfgs, seqs)
+    return catalog.portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params, *cfgs, seqs)
+
+
 def capture(direction: str, cfg, causal: bool, call) -> list:
     """The launches the plan of ``direction`` makes for ``call`` (sample_call's tuple) with ``cfg``."""
     from ..tools import catalog
@@ -117,10 +153,9 @@ def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[
     unknown = set(features) - set(FEATURES)
     if unknown:
         raise ValueError(f"--features: unknown {sorted(unknown)}; expected some of {', '.join(FEATURES)}")
-    bad = [d for d in head_dims if d not in HEAD_DIMS]
+    bad = [d for d in head_dims if not 1 <= d <= 256]
     if bad:
-        raise ValueError(f"--head-dims: {bad} not served by the Hopper kernels the C library embeds "
-                         f"(head dims {', '.join(map(str, HEAD_DIMS))})")
+        raise ValueError(f"--head-dims: {bad}; flashtile takes head dims 1 to 256")
     directions = [d for d in ("forward", "backward") if d in features]
     layouts = [False] + ([True] if "varlen" in features else [])
     found: List[Entry] = []
@@ -129,6 +164,8 @@ def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
             for head_dim in head_dims:
+                if head_dim not in HEAD_DIMS:
+                    continue
                 for causal in (False, True):
                     for varlen in layouts:
                         call = sample_call(head_dim, dtype, varlen)
@@ -141,6 +178,65 @@ def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[
                                 capture(direction, cfg, causal, call),
                                 needs_counts=direction == "backward" and bindings.backward_needs_counts(
                                     cfg, head_dim, varlen)))
+    for direction in directions:
+        for dtype_name in dtypes:
+            for head_dim in head_dims:
+                for options, causal in option_sets(features, hopper=head_dim in HEAD_DIMS):
+                    for varlen in layouts:
+                        found += portable_entries(direction, dtype_name, head_dim, options, causal, varlen)
+    return found
+
+
+def option_sets(features: Sequence[str], hopper: bool) -> List[Tuple[frozenset, bool]]:
+    """[(options, causal)] the portable entries cover: the window shapes (none, causal, and with the
+    window feature left / right / both sides), with and without softcap and ALiBi when asked for;
+    plain and causal attention only where the Hopper kernels do not serve the head dim."""
+    windows = [(frozenset(), False), (frozenset({"right"}), True)]
+    if "window" in features:
+        windows += [(frozenset({"left"}), False), (frozenset({"right"}), False), (frozenset({"left", "right"}), False)]
+    softcaps = [frozenset()] + ([frozenset({"softcap"})] if "softcap" in features else [])
+    alibis = [frozenset()] + ([frozenset({"alibi"})] if "alibi" in features else [])
+    sets = []
+    for (window, causal), softcap, alibi in product(windows, softcaps, alibis):
+        options = window | softcap | alibi
+        if hopper and options <= {"right"} and (causal or not options):
+            continue  # plain or causal: the Hopper entries
+        sets.append((options, causal))
+    return sets
+
+
+def portable_entries(direction: str, dtype_name: str, head_dim: int, options: frozenset, causal: bool,
+                     varlen: bool) -> List[Entry]:
+    """The portable entries of one option set: the forward (packed batches: also the decode config for
+    a few query rows) or the backward (preprocess, dK/dV, dQ)."""
+    dtype = DTYPES[dtype_name]
+    call = sample_call(head_dim, dtype, varlen)
+    params = score_params(options, causal)
+    found = []
+    if direction == "forward":
+        kinds = [(FWD_DECODE, 1), (FWD, 0)] if varlen else [(FWD, -1)]
+        for kernel, decode in kinds:
+            cfg = table_config(kernel, ARCH, head_dim, causal, 4096, dtype)
+            if decode == 1:
+                q, k, v, out, lse, dout, dq, dk, dv, seqs = call
+                seqs = PackedSeqs(seqs.cu_seqlens_q, seqs.cu_seqlens_k, 1, seqs.max_seqlen_k)
+                sample = (q, k, v, out, lse, dout, dq, dk, dv, seqs)
+            else:
+                sample = call
+            if head_dim % 16:  # no TMA without 16-element strides (Entry.hinted)
+                cfg = replace(cfg, use_tma=False, warp_specialize=False)
+            use_tma = cfg.use_tma and not varlen
+            found.append(Entry(direction, dtype_name, head_dim, causal, varlen, 1, UNBOUNDED, cfg,
+                               [bindings.portable_forward(cfg, options, varlen, use_tma)],
+                               capture_portable(direction, cfg, params, sample), options=options, decode=decode,
+                               portable=True))
+        return found
+    cfgs = tuple(table_config(kernel, ARCH, head_dim, causal, 4096, dtype) for kernel in (BWD_PREPROCESS, BWD_DKDV, BWD_DQ))
+    found.append(Entry(direction, dtype_name, head_dim, causal, varlen, 1, UNBOUNDED, cfgs,
+                       [bindings.bwd_preprocess(cfgs[0].block_m, False, varlen, zero=False),
+                        bindings.portable_backward("attn_bwd_dkdv_kernel", cfgs[1], options, varlen),
+                        bindings.portable_backward("attn_bwd_dq_kernel", cfgs[2], options, varlen)],
+                       capture_portable(direction, cfgs, params, call), options=options, portable=True))
     return found
 
 
@@ -148,7 +244,7 @@ def missing_ranges(found: List[Entry]) -> List[str]:
     """Combinations whose key lengths the entries do not cover from 1 up (a table with a gap)."""
     groups: dict = {}
     for e in found:
-        groups.setdefault((e.direction, e.dtype, e.head_dim, e.causal, e.varlen), []).append(e)
+        groups.setdefault((e.direction, e.dtype, e.head_dim, e.causal, e.varlen, e.options, e.decode), []).append(e)
     gaps = []
     for key, group in groups.items():
         reach = 1

@@ -7,7 +7,6 @@
 
 #include "runtime.h"
 
-static const int hopper_head_dims[] = {64, 96, 128, 192, 256};
 #define WORKSPACE_ALIGN 256
 
 void flashtile_attention_args_init(flashtile_attention_args *args) {
@@ -22,7 +21,8 @@ void flashtile_attention_args_init(flashtile_attention_args *args) {
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
-static flashtile_status check_tensor(const char *name, const flashtile_tensor *t, int varlen) {
+/* hinted: the head dim is a multiple of 16, and the kernels were compiled for strides that are too. */
+static flashtile_status check_tensor(const char *name, const flashtile_tensor *t, int varlen, int hinted) {
     if (t->data == NULL)
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "%s.data is NULL", name);
     if (!aligned16(t->data))
@@ -32,20 +32,15 @@ static flashtile_status check_tensor(const char *name, const flashtile_tensor *t
     const int64_t strides[3] = {varlen ? 0 : t->batch_stride, t->row_stride, t->head_stride};
     const char *names[3] = {"batch_stride", "row_stride", "head_stride"};
     for (int i = 0; i < 3; i++) {
-        if (strides[i] < 0 || strides[i] % 16 != 0)
+        if (strides[i] < 0 || (hinted && strides[i] % 16 != 0))
             return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                           "%s.%s = %lld: strides must be non-negative multiples of 16 elements (the layouts of the "
-                           "Hopper kernels' head dims; the head dim itself must be contiguous)",
-                           name, names[i], (long long)strides[i]);
+                           "%s.%s = %lld: expected a non-negative stride%s (the head dim itself is contiguous)", name,
+                           names[i], (long long)strides[i],
+                           hinted ? " that is a multiple of 16 elements, as every layout of a head dim that is a "
+                                    "multiple of 16 has"
+                                  : "");
     }
     return FLASHTILE_SUCCESS;
-}
-
-static int in_list(int value, const int *list, int n) {
-    for (int i = 0; i < n; i++)
-        if (list[i] == value)
-            return 1;
-    return 0;
 }
 
 static void head_dim_list(char *out, size_t size, const int *list, int n) {
@@ -58,9 +53,26 @@ static void head_dim_list(char *out, size_t size, const int *list, int n) {
 static const char *dtype_name(int dtype) { return dtype == FLASHTILE_FLOAT16 ? "fp16" : "bf16"; }
 
 /* The exported entry for this call, or an error that says what to export. */
+/* The score options of a call (FT_LEFT, ...) and whether the config tables see it as causal. */
+static int call_options(const flashtile_attention_args *a, int *table_causal) {
+    int right = a->causal ? 0 : a->window_right;
+    int options = (a->window_left >= 0 ? FT_LEFT : 0) | (right >= 0 ? FT_RIGHT : 0) |
+                  (a->softcap > 0.0f ? FT_SOFTCAP : 0) | (a->alibi_slopes ? FT_ALIBI : 0);
+    *table_causal = a->window_left < 0 && right == 0;
+    return options;
+}
+
+static void option_names(char *out, size_t size, int options, int causal) {
+    snprintf(out, size, "%s%s%s", causal ? "causal" : (options & (FT_LEFT | FT_RIGHT)) ? "sliding-window" : "full",
+             options & FT_SOFTCAP ? " softcapped" : "", options & FT_ALIBI ? " ALiBi" : "");
+}
+
 static flashtile_status find_entry(int direction, const flashtile_attention_args *a, int varlen, int64_t max_seqlen_k,
                                    const ft_entry **entry) {
-    int direction_seen = 0, dtype_seen = 0, head_dim_seen = 0, layout_seen = 0;
+    int direction_seen = 0, dtype_seen = 0, head_dim_seen = 0, layout_seen = 0, options_seen = 0;
+    int table_causal;
+    const int options = call_options(a, &table_causal);
+    const int decode = varlen && a->max_seqlen_q <= ft_decode_max_rows;
     for (int i = 0; i < ft_entry_count; i++) {
         const ft_entry *e = &ft_entries[i];
         if (e->direction != direction)
@@ -75,7 +87,10 @@ static flashtile_status find_entry(int direction, const flashtile_attention_args
         if (e->varlen != varlen)
             continue;
         layout_seen = 1;
-        if (e->causal == (a->causal != 0) && e->min_seqlen_k <= max_seqlen_k && max_seqlen_k < e->max_seqlen_k) {
+        if (e->options != options || e->causal != table_causal)
+            continue;
+        options_seen = 1;
+        if ((e->decode < 0 || e->decode == decode) && e->min_seqlen_k <= max_seqlen_k && max_seqlen_k < e->max_seqlen_k) {
             *entry = e;
             return FLASHTILE_SUCCESS;
         }
@@ -99,8 +114,15 @@ static flashtile_status find_entry(int direction, const flashtile_attention_args
         return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
                        "packed (varlen) batches were not exported in this build (cu_seqlens_q is set): %s "
                        "(features must include varlen)", how);
+    char names[96];
+    option_names(names, sizeof names, options, table_causal);
+    if (!options_seen)
+        return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
+                       "%s attention (window_left / window_right, softcap, alibi_slopes) was not exported in this "
+                       "build: export with --features including window, softcap and / or alibi",
+                       names);
     return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED, "no exported kernel serves %s %s head dim %d %s with %lld keys", what,
-                   dtype_name(a->dtype), a->head_dim, a->causal ? "causal" : "full", (long long)max_seqlen_k);
+                   dtype_name(a->dtype), a->head_dim, names, (long long)max_seqlen_k);
 }
 
 static size_t align_up(size_t n) { return (n + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN; }
@@ -130,20 +152,21 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
                        "nheads %d is not a multiple of nheads_k %d (GQA / MQA: each key/value head serves a whole "
                        "group of query heads)",
                        a->nheads, a->nheads_k);
-    if (!in_list(a->head_dim, hopper_head_dims, 5))
-        return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
-                       "head_dim %d: the C library embeds flashtile's Hopper kernels, which take head dims 64, 96, "
-                       "128, 192 and 256 (other head dims run on the portable kernels, which `flashtile export` "
-                       "does not embed yet)",
-                       a->head_dim);
-    if (a->softcap != 0.0f || a->alibi_slopes != NULL ||
-        !(a->window_left == -1 && (a->window_right == -1 || (a->causal && a->window_right == 0)))) {
-        const char *option = a->softcap != 0.0f ? "softcap" : a->alibi_slopes ? "alibi_slopes" : "window_left / window_right";
-        return ft_fail(FLASHTILE_ERROR_UNSUPPORTED,
-                       "%s: in flashtile this option runs on the portable kernels, which the C library does not embed "
-                       "yet; it serves full and causal attention",
-                       option);
-    }
+    if (a->head_dim > 256)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "head_dim %d: flashtile takes head dims up to 256", a->head_dim);
+    if (a->window_left < -1 || a->window_right < -1)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "window_left %d, window_right %d: each side is -1 (unbounded) or a number of keys",
+                       a->window_left, a->window_right);
+    if (!(a->softcap >= 0.0f) || isinf(a->softcap))
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "softcap %g: expected 0 (off) or a positive finite cap",
+                       (double)a->softcap);
+    if (a->alibi_slopes != NULL && !aligned16(a->alibi_slopes))
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "alibi_slopes is not 16-byte aligned");
+    if (a->alibi_slopes != NULL && a->alibi_batch_stride != 0 && a->alibi_batch_stride < a->nheads)
+        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
+                       "alibi_batch_stride %lld: 0 for (nheads,) slopes, else at least nheads (%d) for (batch, nheads)",
+                       (long long)a->alibi_batch_stride, a->nheads);
     if (!(a->softmax_scale >= 0.0f) || isinf(a->softmax_scale))
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
                        "softmax_scale %g: expected a positive finite scale, or 0 for 1 / sqrt(head_dim)",
@@ -167,7 +190,7 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
     const flashtile_tensor *tensors[4] = {&a->q, &a->k, &a->v, &a->out};
     const char *names[4] = {"q", "k", "v", "out"};
     for (int i = 0; i < 4; i++)
-        FT_TRY(check_tensor(names[i], tensors[i], varlen));
+        FT_TRY(check_tensor(names[i], tensors[i], varlen, a->head_dim % 16 == 0));
     if (a->softmax_lse != NULL && !aligned16(a->softmax_lse))
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "softmax_lse is not 16-byte aligned");
     if (direction == FT_BACKWARD) {
@@ -179,7 +202,7 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
         const flashtile_tensor *grads[4] = {&g->dout, &g->dq, &g->dk, &g->dv};
         const char *grad_names[4] = {"grads->dout", "grads->dq", "grads->dk", "grads->dv"};
         for (int i = 0; i < 4; i++)
-            FT_TRY(check_tensor(grad_names[i], grads[i], varlen));
+            FT_TRY(check_tensor(grad_names[i], grads[i], varlen, a->head_dim % 16 == 0));
     }
 
     memset(c, 0, sizeof *c);
@@ -196,6 +219,11 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
     c->lse_sb = varlen ? 0 : c->nheads * c->rows_q;
     c->lse_sh = c->rows_q;
     c->softmax_scale = a->softmax_scale > 0.0f ? (double)a->softmax_scale : 1.0 / sqrt((double)a->head_dim);
+    c->softcap = a->softcap;
+    c->window_left = a->window_left > 0 ? a->window_left : 0;
+    c->window_right = a->causal || a->window_right < 0 ? 0 : a->window_right;
+    c->alibi = (CUdeviceptr)a->alibi_slopes;
+    c->alibi_sb = a->alibi_batch_stride;
     /* A batch of one (and a packed batch, a batch-1 view) has no meaningful batch stride: use the
      * extent of its rows, as the (1, rows, heads, head_dim) view in Python has. */
 #define FT_STRIDES(prefix, t, rows)                                                                \
@@ -242,7 +270,7 @@ static workspace_layout layout_of(int direction, const flashtile_attention_args 
         return w;
     }
     size_t rows = align_up((size_t)(2 * c->batch * c->nheads * c->row_stride) * 4);
-    size_t acc = align_up((size_t)(c->batch * c->rows_q * c->nheads * c->head_dim) * 4);
+    size_t acc = e->needs_accumulator ? align_up((size_t)(c->batch * c->rows_q * c->nheads * c->head_dim) * 4) : 0;
     w.rows = 0;
     w.dq_acc = rows;
     w.counts = rows + acc;
@@ -319,7 +347,7 @@ flashtile_status flashtile_attention_backward(const flashtile_attention_args *ar
     CUdeviceptr base = (CUdeviceptr)workspace;
     c.delta = base + w.rows;
     c.lse_log2 = base + w.rows + (CUdeviceptr)(c.batch * c.nheads * c.row_stride) * 4;
-    c.dq_acc = base + w.dq_acc;
+    c.dq_acc = e->needs_accumulator ? base + w.dq_acc : 0;
     c.counts = e->needs_counts ? base + w.counts : 0;
     int sm_count;
     FT_TRY(ft_device(&sm_count));

@@ -14,10 +14,11 @@
 typedef struct ft_call {
     int64_t batch, n_seqs, rows_q, rows_k, max_seqlen_q, max_seqlen_k, nheads, nheads_k, head_dim;
     int64_t sm_count, row_stride, lse_sb, lse_sh;
+    int64_t window_left, window_right, alibi_sb; /* window sides at least 0; ALiBi slopes' batch stride */
     int64_t q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
     int64_t do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
-    double softmax_scale;
-    CUdeviceptr q, k, v, o, lse, dout, dq, dk, dv, cu_q, cu_k, delta, lse_log2, dq_acc, counts;
+    double softmax_scale, softcap;
+    CUdeviceptr q, k, v, o, lse, dout, dq, dk, dv, cu_q, cu_k, delta, lse_log2, dq_acc, counts, alibi;
 } ft_call;
 
 /* One embedded kernel. */
@@ -30,18 +31,26 @@ typedef struct ft_kernel {
 } ft_kernel;
 
 enum { FT_FORWARD = 0, FT_BACKWARD = 1 };
+/* Score options (bits of ft_entry.options; entries.OPTIONS in Python). Causal is the right side of
+ * the window at 0. */
+enum { FT_LEFT = 1, FT_RIGHT = 2, FT_SOFTCAP = 4, FT_ALIBI = 8 };
 
-/* One entry: the kernels of one (direction, dtype, head dim, causal, layout) for key lengths in
- * [min_seqlen_k, max_seqlen_k), launched in order by launch(). */
+/* One entry: the kernels of one (direction, dtype, head dim, options, layout) for key lengths in
+ * [min_seqlen_k, max_seqlen_k), launched in order by launch(). causal: the config tables' causal
+ * (no left side, the right side at 0). decode: packed portable forwards, 1 for calls of at most
+ * ft_decode_max_rows query rows per sequence, 0 above; -1 for any. */
 typedef struct ft_entry {
     int direction;
     int dtype;
     int head_dim;
     int causal;
     int varlen;
+    int options;
+    int decode;
     int64_t min_seqlen_k;
     int64_t max_seqlen_k;
-    int needs_counts;
+    int needs_counts;       /* the int32 (batch, nheads_k) counts in the workspace */
+    int needs_accumulator;  /* the float32 dQ accumulator in the workspace (the Hopper backward) */
     flashtile_status (*launch)(const ft_call *call, CUstream stream);
     const char *name;
 } ft_entry;
@@ -53,6 +62,7 @@ extern const int ft_entry_count;
 extern const char ft_build_info[];
 extern const int ft_head_dims[];
 extern const int ft_head_dim_count;
+extern const int ft_decode_max_rows;
 
 /* The binding expressions' functions (non-negative operands). */
 static inline int64_t CDIV(int64_t a, int64_t b) { return (a + b - 1) / b; }
