@@ -99,8 +99,6 @@ def generate(found: Sequence[Entry], compiled: Dict[tuple, aot.Kernel], build_in
     for e_index, e in enumerate(found):
         top = "INT64_MAX" if e.max_seqlen_k >= UNBOUNDED else str(e.max_seqlen_k)
         options = sum(1 << i for i, name in enumerate(OPTIONS) if name in e.options)
-        if not e.portable and e.causal:
-            options = 1 << OPTIONS.index("right")  # causal: the right side of the window at 0
         out.append(f"    {{{'FT_FORWARD' if e.direction == 'forward' else 'FT_BACKWARD'}, {_DTYPE_CODES[e.dtype]}, "
                    f"{e.head_dim}, {int(e.causal)}, {int(e.varlen)}, {options}, {e.decode}, {e.min_seqlen_k}, "
                    f"{top}, {int(e.needs_counts)}, {int(e.direction == 'backward' and not e.portable)}, "

@@ -256,6 +256,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--dump", nargs="*", default=[], help="example --dump directories to check instead")
+    parser.add_argument("--varlen-only", action="store_true", help="only the packed-batch cases")
     args = parser.parse_args(argv)
     if args.dump:
         results = [check_dump(d) for d in args.dump]
@@ -274,6 +275,8 @@ def main(argv=None) -> int:
         if ("bf16" if dtype == torch.bfloat16 else "fp16") not in exported.split("dtypes:")[1].split(";")[0]:
             continue
         for b, sq, sk, h, hk, d, causal, lengths in CASES:
+            if args.varlen_only and not lengths:
+                continue
             if f" {d}," not in f" {exported.split('head dims:')[1].split(';')[0].strip()},":
                 continue
             r = check_case(lib, b, sq, sk, h, hk, d, dtype, causal, lengths)
@@ -284,6 +287,8 @@ def main(argv=None) -> int:
     features = exported.split("features:")[1].split("\n")[0]
     for dtype in (torch.bfloat16,):
         for b, sq, sk, h, hk, d, causal, lengths, window, softcap, alibi in OPTION_CASES:
+            if args.varlen_only and not lengths:
+                continue
             heads = exported.split("head dims:")[1].split(";")[0]
             if f" {d}," not in f" {heads}," or (window != (-1, -1) and "window" not in features) or \
                     (softcap and "softcap" not in features) or (alibi and "alibi" not in features) or \

@@ -73,11 +73,6 @@ def _ranges(kernel: str, head_dim: int, causal: bool, dtype, varlen: bool) -> Li
     ranges: List[Tuple[int, int, object]] = []
     for lo, hi in zip(edges, edges[1:]):
         cfg = table_config(kernel, ARCH, head_dim, causal, lo, dtype, varlen)
-        if cfg is None:
-            # The table sends these to the portable kernels, which the C library does not embed: it
-            # runs the Hopper config the table uses at the next longer keys instead.
-            later = [table_config(kernel, ARCH, head_dim, causal, e, dtype, varlen) for e in edges if e > lo]
-            cfg = next((c for c in later if c is not None), None)
         if ranges and ranges[-1][2] == cfg:
             ranges[-1] = (ranges[-1][0], hi, cfg)
         else:
@@ -169,15 +164,18 @@ def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[
                 for causal in (False, True):
                     for varlen in layouts:
                         call = sample_call(head_dim, dtype, varlen)
+                        options = frozenset({"right"}) if causal else frozenset()
                         for lo, hi, cfg in _ranges(kernel, head_dim, causal, dtype, varlen):
-                            if cfg is None:
+                            if cfg is None:  # the table sends these key lengths to the portable kernels
+                                found += portable_entries(direction, dtype_name, head_dim, options, causal, varlen,
+                                                          lo, hi)
                                 continue
                             found.append(Entry(
                                 direction, dtype_name, head_dim, causal, varlen, lo, hi, cfg,
                                 entry_bindings(direction, cfg, causal, varlen, head_dim, dtype),
                                 capture(direction, cfg, causal, call),
                                 needs_counts=direction == "backward" and bindings.backward_needs_counts(
-                                    cfg, head_dim, varlen)))
+                                    cfg, head_dim, varlen), options=options))
     for direction in directions:
         for dtype_name in dtypes:
             for head_dim in head_dims:
@@ -206,9 +204,10 @@ def option_sets(features: Sequence[str], hopper: bool) -> List[Tuple[frozenset, 
 
 
 def portable_entries(direction: str, dtype_name: str, head_dim: int, options: frozenset, causal: bool,
-                     varlen: bool) -> List[Entry]:
-    """The portable entries of one option set: the forward (packed batches: also the decode config for
-    a few query rows) or the backward (preprocess, dK/dV, dQ)."""
+                     varlen: bool, min_seqlen_k: int = 1, max_seqlen_k: int = UNBOUNDED) -> List[Entry]:
+    """The portable entries of one option set for key lengths in [min_seqlen_k, max_seqlen_k): the
+    forward (packed batches: also the decode config for a few query rows) or the backward
+    (preprocess, dK/dV, dQ)."""
     dtype = DTYPES[dtype_name]
     call = sample_call(head_dim, dtype, varlen)
     params = score_params(options, causal)
@@ -226,13 +225,13 @@ def portable_entries(direction: str, dtype_name: str, head_dim: int, options: fr
             if head_dim % 16:  # no TMA without 16-element strides (Entry.hinted)
                 cfg = replace(cfg, use_tma=False, warp_specialize=False)
             use_tma = cfg.use_tma and not varlen
-            found.append(Entry(direction, dtype_name, head_dim, causal, varlen, 1, UNBOUNDED, cfg,
+            found.append(Entry(direction, dtype_name, head_dim, causal, varlen, min_seqlen_k, max_seqlen_k, cfg,
                                [bindings.portable_forward(cfg, options, varlen, use_tma)],
                                capture_portable(direction, cfg, params, sample), options=options, decode=decode,
                                portable=True))
         return found
     cfgs = tuple(table_config(kernel, ARCH, head_dim, causal, 4096, dtype) for kernel in (BWD_PREPROCESS, BWD_DKDV, BWD_DQ))
-    found.append(Entry(direction, dtype_name, head_dim, causal, varlen, 1, UNBOUNDED, cfgs,
+    found.append(Entry(direction, dtype_name, head_dim, causal, varlen, min_seqlen_k, max_seqlen_k, cfgs,
                        [bindings.bwd_preprocess(cfgs[0].block_m, False, varlen, zero=False),
                         bindings.portable_backward("attn_bwd_dkdv_kernel", cfgs[1], options, varlen),
                         bindings.portable_backward("attn_bwd_dq_kernel", cfgs[2], options, varlen)],
@@ -244,7 +243,8 @@ def missing_ranges(found: List[Entry]) -> List[str]:
     """Combinations whose key lengths the entries do not cover from 1 up (a table with a gap)."""
     groups: dict = {}
     for e in found:
-        groups.setdefault((e.direction, e.dtype, e.head_dim, e.causal, e.varlen, e.options, e.decode), []).append(e)
+        if e.decode != 1:  # decode entries come beside the others, for fewer query rows
+            groups.setdefault((e.direction, e.dtype, e.head_dim, e.causal, e.varlen, e.options), []).append(e)
     gaps = []
     for key, group in groups.items():
         reach = 1
