@@ -131,7 +131,7 @@ def _cmake_build(source: str, build: str, export_dir: str) -> None:
 def test_export_writes_a_library_and_a_cmake_package(small_export):
     for path in ("include/flashtile.h", "lib/libflashtile.so", "lib/libflashtile_static.a",
                  "lib/cmake/flashtile/flashtileConfig.cmake", "lib/cmake/flashtile/flashtileConfigVersion.cmake",
-                 "share/flashtile/manifest.json"):
+                 "share/flashtile/manifest.json", "share/flashtile/examples/CMakeLists.txt"):
         assert os.path.exists(os.path.join(small_export, path)), path
     lib = ctypes.CDLL(os.path.join(small_export, "lib", "libflashtile.so"))
     lib.flashtile_build_info.restype = ctypes.c_char_p
@@ -158,7 +158,8 @@ def test_argument_checks_from_c(small_export, tmp_path):
 def test_examples_build_against_the_package(small_export, tmp_path):
     if not (os.path.exists("/usr/local/cuda/include/cuda_runtime.h") or os.environ.get("CUDA_HOME")):
         pytest.skip("the examples use the CUDA runtime: no CUDA toolkit here")
-    _cmake_build(os.path.join(ROOT, "examples", "c"), str(tmp_path / "build"), small_export)
+    # The copy the export ships (examples/c in this checkout, the wheel's copy when installed).
+    _cmake_build(os.path.join(small_export, "share", "flashtile", "examples"), str(tmp_path / "build"), small_export)
     for name in ("mha_fwd_bwd", "varlen_inference"):
         assert os.access(tmp_path / "build" / name, os.X_OK)
 

@@ -8,6 +8,7 @@ libflashtile.so / libflashtile_static.a with a C API (csrc/flashtile.h), for eng
     out/lib/cmake/flashtile/flashtileConfig.cmake (+ ConfigVersion): find_package(flashtile)
     out/src/                 the library's C sources (generated kernel table + runtime), to rebuild
     out/share/flashtile/manifest.json   what was exported, with the compile and build times
+    out/share/flashtile/examples/       the C examples (examples/c), to build against the export
 
 The pieces: entries.py (what an export holds, from the config tables and the captured plans),
 bindings.py (each kernel argument as an expression checked against the Python plans), aot.py
@@ -23,6 +24,14 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Optional, Sequence
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+
+
+def examples_dir() -> str:
+    """The C examples: in the wheel beside this package, in a checkout at examples/c."""
+    packaged = os.path.join(os.path.dirname(__file__), "examples")
+    if os.path.isdir(packaged):
+        return packaged
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "c")
 SOURCES = ("runtime.c", "attention.c", "flashtile_kernels.c")
 
 
@@ -100,6 +109,10 @@ def export(out: str, head_dims: Sequence[int], dtypes: Sequence[str], features: 
     for name in ("runtime.c", "runtime.h", "attention.c"):
         shutil.copy(os.path.join(CSRC, name), os.path.join(src, name))
     shutil.copy(os.path.join(CSRC, "flashtile.h"), os.path.join(include, "flashtile.h"))
+    examples = os.path.join(out, "share", "flashtile", "examples")
+    if os.path.isdir(examples_dir()):
+        shutil.copytree(examples_dir(), examples, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("build*", "__pycache__"))
     manifest = {
         "flashtile": __version__, "triton": triton.__version__, "arch": arch, "command": command,
         "head_dims": list(head_dims), "dtypes": list(dtypes), "features": list(features),

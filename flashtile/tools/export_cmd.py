@@ -7,7 +7,7 @@ needs only the CUDA driver. See docs/c-library.md.
 
 example:
   python -m flashtile export --head-dims 64,128 --dtypes bf16,fp16 --features forward,backward,varlen --out ft
-  cmake -S examples/c -B build -Dflashtile_DIR=$PWD/ft/lib/cmake/flashtile && cmake --build build
+  cmake -S ft/share/flashtile/examples -B build -Dflashtile_DIR=$PWD/ft/lib/cmake/flashtile && cmake --build build
 """
 
 import sys

@@ -226,34 +226,27 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
     c->alibi_sb = a->alibi_batch_stride;
     /* A batch of one (and a packed batch, a batch-1 view) has no meaningful batch stride: use the
      * extent of its rows, as the (1, rows, heads, head_dim) view in Python has. */
-#define FT_STRIDES(prefix, t, rows)                                                                \
+#define FT_TENSOR(prefix, pointer, t, rows)                                                        \
     do {                                                                                           \
         c->prefix##_sb = c->batch > 1 ? (t).batch_stride : (rows) * (t).row_stride;                \
         c->prefix##_ss = (t).row_stride;                                                           \
         c->prefix##_sh = (t).head_stride;                                                          \
+        c->pointer = (CUdeviceptr)(t).data;                                                        \
     } while (0)
-    FT_STRIDES(q, a->q, c->rows_q);
-    FT_STRIDES(k, a->k, c->rows_k);
-    FT_STRIDES(v, a->v, c->rows_k);
-    FT_STRIDES(o, a->out, c->rows_q);
-    c->q = (CUdeviceptr)a->q.data;
-    c->k = (CUdeviceptr)a->k.data;
-    c->v = (CUdeviceptr)a->v.data;
-    c->o = (CUdeviceptr)a->out.data;
+    FT_TENSOR(q, q, a->q, c->rows_q);
+    FT_TENSOR(k, k, a->k, c->rows_k);
+    FT_TENSOR(v, v, a->v, c->rows_k);
+    FT_TENSOR(o, o, a->out, c->rows_q);
     c->lse = (CUdeviceptr)a->softmax_lse;
     c->cu_q = (CUdeviceptr)a->cu_seqlens_q;
     c->cu_k = (CUdeviceptr)a->cu_seqlens_k;
     if (direction == FT_BACKWARD) {
-        FT_STRIDES(do, g->dout, c->rows_q);
-        FT_STRIDES(dq, g->dq, c->rows_q);
-        FT_STRIDES(dk, g->dk, c->rows_k);
-        FT_STRIDES(dv, g->dv, c->rows_k);
-        c->dout = (CUdeviceptr)g->dout.data;
-        c->dq = (CUdeviceptr)g->dq.data;
-        c->dk = (CUdeviceptr)g->dk.data;
-        c->dv = (CUdeviceptr)g->dv.data;
+        FT_TENSOR(do, dout, g->dout, c->rows_q);
+        FT_TENSOR(dq, dq, g->dq, c->rows_q);
+        FT_TENSOR(dk, dk, g->dk, c->rows_k);
+        FT_TENSOR(dv, dv, g->dv, c->rows_k);
     }
-#undef FT_STRIDES
+#undef FT_TENSOR
     return find_entry(direction, a, varlen, c->max_seqlen_k, entry);
 }
 
