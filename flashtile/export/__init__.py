@@ -15,6 +15,7 @@ bindings.py (each kernel argument as an expression checked against the Python pl
 (compiling for sm90 without a GPU), codegen.py (the generated C), csrc/ (the hand-written C).
 """
 
+import functools
 import json
 import os
 import shutil
@@ -48,13 +49,21 @@ def cuda_include_dir() -> str:
     raise FileNotFoundError("no cuda.h found (Triton's nvidia backend include dir, $CUDA_HOME or /usr/local/cuda)")
 
 
-def _compile_entry(args):
-    """Worker: compile the kernels of entry ``index`` of this export (entries are recaptured in the
-    worker: captured launches hold kernel functions, which do not pickle)."""
-    index, head_dims, dtypes, features = args
-    from . import aot, entries
+@functools.lru_cache(maxsize=1)
+def _worker_entries(head_dims: tuple, dtypes: tuple, features: tuple) -> list:
+    """The export's entries, captured once per worker process (captured launches hold kernel
+    functions, which do not pickle, so workers capture their own)."""
+    from . import entries
 
-    entry = entries.entries(head_dims, dtypes, features)[index]
+    return entries.entries(head_dims, dtypes, features)
+
+
+def _compile_entry(args):
+    """Worker: compile the kernels of entry ``index`` of this export."""
+    index, head_dims, dtypes, features = args
+    from . import aot
+
+    entry = _worker_entries(head_dims, dtypes, features)[index]
     return index, [aot.compile_kernel(launch, binding, entry.hinted)
                    for binding, launch in zip(entry.bindings, entry.launches)]
 

@@ -47,8 +47,6 @@ class Kernel:
 
 
 def _stride_hint(binding: bindings.Binding, name: str, expr: str) -> bool:
-    if name in binding.stride_params:
-        return True
     inner = re.fullmatch(r"SEL\(batch > 1, (\w+), 0\)", expr)
     return (inner.group(1) if inner else expr) in bindings.CHECKED_STRIDE_FIELDS
 

@@ -16,7 +16,7 @@ Config values (tile sizes, flags) are the variant's: they are folded into the ex
 literals when a binding is made (functions below take the config).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -84,7 +84,6 @@ class Binding:
     grid: Tuple[str, str, str]
     params: Dict[str, object]
     pdl: bool = False
-    stride_params: Tuple[str, ...] = field(default_factory=tuple)
 
 
 def _fmt(value) -> str:
@@ -156,8 +155,7 @@ def bwd_preprocess(block_m: int, needs_counts: bool, varlen: bool, zero: bool = 
         params["ZeroCounts"] = Pointer("counts")
     if varlen:
         params["CuSeqlensQ"] = Pointer("cu_q")
-    return Binding("attn_bwd_preprocess_kernel", (f"CDIV(max_seqlen_q, {block_m})", "nheads", "n_seqs"), params,
-                   stride_params=("stride_ob", "stride_os", "stride_oh", "stride_dob", "stride_dos", "stride_doh"))
+    return Binding("attn_bwd_preprocess_kernel", (f"CDIV(max_seqlen_q, {block_m})", "nheads", "n_seqs"), params)
 
 
 def gluon_backward(cfg: GluonBwdConfig, causal: bool, varlen: bool, head_dim: int) -> Binding:
@@ -213,18 +211,17 @@ def dq_convert(cfg: GluonBwdConfig, varlen: bool, head_dim: int) -> Binding:
         params["RowsEnd"] = Pointer("cu_q", "n_seqs")
     if overlap:
         params["DoneCounts"] = Pointer("counts")
-    return Binding("gluon_bwd_dq_convert_kernel", ("CDIV(rows_q, 32)", "nheads", "batch"), params, pdl=overlap,
-                   stride_params=("stride_dqb", "stride_dqs", "stride_dqh"))
+    return Binding("gluon_bwd_dq_convert_kernel", ("CDIV(rows_q, 32)", "nheads", "batch"), params, pdl=overlap)
 
 
-def _score_params(options, scale_in_exp2: bool = True) -> dict:
+def _score_params(options) -> dict:
     """ScoreParams.kernel_args's runtime values for an entry's options (a set of "left", "right",
     "softcap", "alibi"): the scales, window sides and ALiBi slopes."""
     softcap = "softcap" in options
     if softcap:
         qk_scale = "softmax_scale / softcap"
     else:
-        qk_scale = f"softmax_scale * {LOG2E!r}" if scale_in_exp2 else "softmax_scale"
+        qk_scale = f"softmax_scale * {LOG2E!r}"
     params = {"qk_scale": ("float", qk_scale), "softcap_log2": ("float", f"softcap * {LOG2E!r}" if softcap else "0.0"),
               "window_left": "window_left" if "left" in options else "0",
               "window_right": "window_right" if "right" in options else "0",
@@ -257,8 +254,7 @@ def portable_forward(cfg, options, varlen: bool, use_tma: bool) -> Binding:
               **_score_params(options)}
     if varlen:
         params.update({"CuSeqlensQ": Pointer("cu_q"), "CuSeqlensK": Pointer("cu_k")})
-    return Binding("attn_fwd_kernel", (f"CDIV(max_seqlen_q, {cfg.block_m})", "nheads", "n_seqs"), params,
-                   stride_params=tuple(n for n in params if n.startswith("stride_") and n[7] in "qkvo"))
+    return Binding("attn_fwd_kernel", (f"CDIV(max_seqlen_q, {cfg.block_m})", "nheads", "n_seqs"), params)
 
 
 def portable_backward(kernel: str, cfg, options, varlen: bool) -> Binding:
@@ -276,9 +272,7 @@ def portable_backward(kernel: str, cfg, options, varlen: bool) -> Binding:
         params.update({"CuSeqlensQ": Pointer("cu_q"), "CuSeqlensK": Pointer("cu_k")})
     grid = ((f"CDIV(max_seqlen_k, {cfg.block_n})", "nheads_k", "n_seqs") if dkdv
             else (f"CDIV(max_seqlen_q, {cfg.block_m})", "nheads", "n_seqs"))
-    return Binding(kernel, grid, params,
-                   stride_params=tuple(n for n in params if n.startswith("stride_") and not n.startswith("stride_d")
-                                       or n.startswith(("stride_do", "stride_dk", "stride_dv", "stride_dq"))))
+    return Binding(kernel, grid, params)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -129,8 +129,9 @@ static size_t align_up(size_t n) { return (n + WORKSPACE_ALIGN - 1) / WORKSPACE_
 
 /* Checks everything the host can check and fills the call struct (pointers into the workspace
  * excepted); *lse_bytes etc. tell the workspace layout. */
+/* need_grads: 0 for the workspace queries, whose sizes do not depend on the gradients' layouts. */
 static flashtile_status prepare(int direction, const flashtile_attention_args *a, const flashtile_attention_grads *g,
-                                ft_call *c, const ft_entry **entry) {
+                                int need_grads, ft_call *c, const ft_entry **entry) {
     ft_clear_error();
     if (a == NULL)
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "args is NULL");
@@ -194,11 +195,13 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
     if (a->softmax_lse != NULL && !aligned16(a->softmax_lse))
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "softmax_lse is not 16-byte aligned");
     if (direction == FT_BACKWARD) {
-        if (g == NULL)
+        if (need_grads && g == NULL)
             return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "grads is NULL");
         if (a->softmax_lse == NULL)
             return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
                            "softmax_lse is NULL: the backward reads the forward's logsumexp");
+    }
+    if (direction == FT_BACKWARD && need_grads) {
         const flashtile_tensor *grads[4] = {&g->dout, &g->dq, &g->dk, &g->dv};
         const char *grad_names[4] = {"grads->dout", "grads->dq", "grads->dk", "grads->dv"};
         for (int i = 0; i < 4; i++)
@@ -240,7 +243,7 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
     c->lse = (CUdeviceptr)a->softmax_lse;
     c->cu_q = (CUdeviceptr)a->cu_seqlens_q;
     c->cu_k = (CUdeviceptr)a->cu_seqlens_k;
-    if (direction == FT_BACKWARD) {
+    if (direction == FT_BACKWARD && need_grads) {
         FT_TENSOR(do, dout, g->dout, c->rows_q);
         FT_TENSOR(dq, dq, g->dq, c->rows_q);
         FT_TENSOR(dk, dk, g->dk, c->rows_k);
@@ -283,42 +286,29 @@ static flashtile_status check_workspace(void *workspace, size_t bytes, size_t ne
     return FLASHTILE_SUCCESS;
 }
 
-static flashtile_status workspace_size(int direction, const flashtile_attention_args *a,
-                                       const flashtile_attention_grads *g, size_t *bytes) {
+static flashtile_status workspace_size(int direction, const flashtile_attention_args *a, size_t *bytes) {
     ft_call c;
     const ft_entry *e;
     if (bytes == NULL)
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "bytes is NULL");
-    FT_TRY(prepare(direction, a, g, &c, &e));
+    FT_TRY(prepare(direction, a, NULL, 0, &c, &e));
     *bytes = layout_of(direction, a, &c, e).total;
     return FLASHTILE_SUCCESS;
 }
 
 flashtile_status flashtile_attention_forward_workspace_size(const flashtile_attention_args *args, size_t *bytes) {
-    return workspace_size(FT_FORWARD, args, NULL, bytes);
+    return workspace_size(FT_FORWARD, args, bytes);
 }
 
-/* The backward's size does not depend on the gradients' layouts: check the arguments without them. */
 flashtile_status flashtile_attention_backward_workspace_size(const flashtile_attention_args *args, size_t *bytes) {
-    ft_call c;
-    const ft_entry *e;
-    if (bytes == NULL)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "bytes is NULL");
-    if (args != NULL && args->struct_size == (int)sizeof *args && args->softmax_lse == NULL)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                       "softmax_lse is NULL: the backward reads the forward's logsumexp");
-    FT_TRY(prepare(FT_FORWARD, args, NULL, &c, &e));
-    /* The backward entry for the same call (its counts decide the size). */
-    FT_TRY(find_entry(FT_BACKWARD, args, args->cu_seqlens_q != NULL, c.max_seqlen_k, &e));
-    *bytes = layout_of(FT_BACKWARD, args, &c, e).total;
-    return FLASHTILE_SUCCESS;
+    return workspace_size(FT_BACKWARD, args, bytes);
 }
 
 flashtile_status flashtile_attention_forward(const flashtile_attention_args *args, void *workspace,
                                              size_t workspace_bytes, flashtile_stream_t stream) {
     ft_call c;
     const ft_entry *e;
-    FT_TRY(prepare(FT_FORWARD, args, NULL, &c, &e));
+    FT_TRY(prepare(FT_FORWARD, args, NULL, 1, &c, &e));
     workspace_layout w = layout_of(FT_FORWARD, args, &c, e);
     FT_TRY(check_workspace(workspace, workspace_bytes, w.total));
     if (args->softmax_lse == NULL)
@@ -334,7 +324,7 @@ flashtile_status flashtile_attention_backward(const flashtile_attention_args *ar
                                               size_t workspace_bytes, flashtile_stream_t stream) {
     ft_call c;
     const ft_entry *e;
-    FT_TRY(prepare(FT_BACKWARD, args, grads, &c, &e));
+    FT_TRY(prepare(FT_BACKWARD, args, grads, 1, &c, &e));
     workspace_layout w = layout_of(FT_BACKWARD, args, &c, e);
     FT_TRY(check_workspace(workspace, workspace_bytes, w.total));
     CUdeviceptr base = (CUdeviceptr)workspace;
