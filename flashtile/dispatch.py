@@ -392,11 +392,9 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
                            block_table if paged else None, k_cache.shape[0],
                            None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1), cache_leftpad)
 
-    q = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
-                              bool(rotary_interleaved), bool(local))
-
-    # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence.
-    seqlens_k = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
+    # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence (the update writes the end).
+    q, seqlens_k = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens,
+                                         block_table, bool(rotary_interleaved), bool(local))
     if cache_leftpad is not None:
         seqlens_k = seqlens_k - cache_leftpad
     if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:

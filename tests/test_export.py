@@ -69,10 +69,70 @@ def test_hopper_bindings_match_the_python_plans(dtype):
 
 def test_portable_bindings_match_the_python_plans():
     """The same for the portable kernels (windows, softcap, ALiBi; head dims off the Hopper list)."""
-    found = export_entries.entries([40, 128], ["bf16"], list(export_entries.FEATURES))
+    found = export_entries.entries([40, 128], ["bf16"], [f for f in export_entries.FEATURES if f != "kvcache"])
     portable = [e for e in found if e.portable]
     assert len(portable) == (18 + 20) * 5  # option sets x (dense, packed, packed decode forward; 2 backward)
     problems = _check_entries(portable)
+    assert not problems, "\n".join(problems[:20])
+
+
+def _check_kvcache_entries(found) -> list:
+    """check_binding over the kv-cache entries' launches at several shapes: GQA, MQA, and for the
+    decode entries without options the query heads of a group as the rows of their kv head (the
+    strided views the C library, like the Python path, runs the forward on)."""
+    problems = []
+    for e in found:
+        dtype = export_entries.DTYPES[e.dtype]
+        for nheads, nheads_k, as_rows in ((4, 2, False), (8, 8, False), (6, 1, False), (8, 2, True)):
+            if as_rows and (e.decode != 1 or e.options - {"right"} or e.causal):
+                continue
+            rows = 1 if e.decode == 1 else 40
+            call = export_entries.sample_kvcache_call(e.head_dim, dtype, rows, e.page_size or 256, nheads, nheads_k)
+            q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, block_table = call
+            if as_rows:  # kvcache_attention's heads_as_rows views
+                group = nheads // nheads_k
+                q, out = (t[:, 0].unflatten(1, (nheads_k, group)).transpose(1, 2) for t in (q, out))
+                lse = lse[:, :, 0].unflatten(1, (nheads_k, group))
+                call = (q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, block_table)
+            params = export_entries.score_params(e.options, e.causal, nheads)
+            alibi = None
+            if "alibi" in e.options:
+                alibi = torch.empty((q.shape[0], q.shape[2]), device="meta")
+                params = dataclasses.replace(params, alibi_slopes=alibi)
+            launches = export_entries.capture_kvcache(e.config or export_entries.table_config(
+                "fwd", "sm90", e.head_dim, False, 4096, dtype), params, call, e.split)
+            if e.direction == "kvcache_update":
+                launches = launches[:1]
+            else:
+                launches = launches[1:]
+            assert len(launches) == len(e.bindings), e.name
+            fields = bindings.kvcache_call_fields(q, k_cache, v_cache, out, lse, k_new, v_new, block_table,
+                                                  **_splits(e, block_table.shape[1] * k_cache.shape[1], 3),
+                                                  softmax_scale=0.125, window=(params.window_left,
+                                                                               params.window_right),
+                                                  softcap=params.softcap, alibi=alibi)
+            tensors = dict(q=q, k=k_cache, v=v_cache, o=out, lse=lse, knew=k_new, vnew=v_new, alibi=alibi,
+                           cache_seqlens=cache_seqlens, block_table=block_table)
+            for binding, launch in zip(e.bindings, launches):
+                problems += [f"{e.name} ({nheads}/{nheads_k}{' as rows' if as_rows else ''}): {p}"
+                             for p in bindings.check_binding(binding, launch, fields, tensors)]
+    return problems
+
+
+def _splits(e, capacity: int, asked: int) -> dict:
+    """SplitForward's rule (attention.c has the same): keys per split rounded up to BLOCK_N, and the
+    splits that leaves."""
+    if not e.split:
+        return dict(n_splits=1, keys_per_split=0)
+    keys = -(-(-(-capacity // asked)) // e.config.block_n) * e.config.block_n
+    return dict(n_splits=-(-capacity // keys), keys_per_split=keys)
+
+
+def test_kvcache_bindings_match_the_python_plans():
+    """The kv-cache call's update, paged forward (decode and more rows, plain and split) and combine."""
+    found = export_entries.entries([40, 128], ["bf16"], ["kvcache", "window", "softcap", "alibi"], (16, 256))
+    assert len(found) == 2 * (1 + 20 * 2 * 4)  # head dims x (update + option sets x page sizes x 4 forwards)
+    problems = _check_kvcache_entries(found)
     assert not problems, "\n".join(problems[:20])
 
 
@@ -119,7 +179,7 @@ def _export_dir(tmp_path_factory, head_dims, dtypes, features) -> str:
 def small_export(tmp_path_factory):
     if not HAVE_TOOLS:
         pytest.skip("needs cmake, cc and ar")
-    return _export_dir(tmp_path_factory, [64], ["bf16"], ["forward", "backward", "varlen"])
+    return _export_dir(tmp_path_factory, [64], ["bf16"], ["forward", "backward", "varlen", "kvcache"])
 
 
 def _cmake_build(source: str, build: str, export_dir: str) -> None:
@@ -142,8 +202,9 @@ def test_export_writes_a_library_and_a_cmake_package(small_export):
     symbols = {line.split()[-1] for line in exported.splitlines() if " T " in line}
     assert symbols == {"flashtile_attention_args_init", "flashtile_attention_forward",
                        "flashtile_attention_forward_workspace_size", "flashtile_attention_backward",
-                       "flashtile_attention_backward_workspace_size", "flashtile_status_string",
-                       "flashtile_last_error", "flashtile_build_info"}
+                       "flashtile_attention_backward_workspace_size", "flashtile_kvcache_args_init",
+                       "flashtile_kvcache_forward", "flashtile_kvcache_forward_workspace_size",
+                       "flashtile_status_string", "flashtile_last_error", "flashtile_build_info"}
 
 
 def test_argument_checks_from_c(small_export, tmp_path):
@@ -176,7 +237,8 @@ def gpu_export(tmp_path_factory):
         pytest.skip("needs cmake, cc and ar")
     from flashtile.export.capi import Library
 
-    return Library(_export_dir(tmp_path_factory, [64, 128], ["bf16", "fp16"], ["forward", "backward", "varlen"]))
+    return Library(_export_dir(tmp_path_factory, [64, 128], ["bf16", "fp16"],
+                               ["forward", "backward", "varlen", "kvcache"]))
 
 
 @pytest.mark.parametrize("case", [
@@ -226,3 +288,53 @@ def test_bad_arguments_leave_memory_untouched(gpu_export):
     assert status == 4 and "workspace" in gpu_export.last_error()
     torch.cuda.synchronize()
     assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_c_kvcache_matches_the_python_api(gpu_export, case, dtype):
+    """The kv-cache call: decoding (GQA heads as rows, automatic splits), MQA, speculative rows, a
+    prefill chunk, no new tokens with 3 splits; the caches bitwise equal after the append."""
+    from flashtile.export.compare import KVCACHE_CASES, check_kvcache_case
+
+    b, sq, new, h, hk, d, causal, splits = KVCACHE_CASES[case]
+    result = check_kvcache_case(gpu_export, b, sq, new, h, hk, d, dtype, causal, num_splits=splits)
+    assert result["ok"], result
+
+
+def test_bad_kvcache_arguments_leave_the_cache_untouched(gpu_export):
+    from flashtile.export.capi import CError
+
+    k_cache, v_cache = (torch.randn(8, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    saved = k_cache.clone(), v_cache.clone()
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+    lens = torch.tensor([10, 1000], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.full_like(q, 7.0)
+    k_new = torch.randn(2, 1025, 2, 128, device="cuda", dtype=torch.bfloat16)
+    bad = {
+        "seqlen_new over capacity": dict(k=k_new, v=k_new),
+        "page size not exported": dict(k_cache=k_cache.view(16, 128, 2, 128), v_cache=v_cache.view(16, 128, 2, 128)),
+        "head dim 96 not exported": dict(q=q[..., :96], k_cache=k_cache[..., :96], v_cache=v_cache[..., :96]),
+    }
+    for what, change in bad.items():
+        t = {**dict(q=q, k_cache=k_cache, v_cache=v_cache, k=None, v=None), **change}
+        o = out if t["q"].shape == q.shape else out[..., :96]
+        a = gpu_export.kvcache_args(t["q"], t["k_cache"], t["v_cache"], o, lens, table, t["k"], t["v"], causal=True)
+        with pytest.raises(CError):
+            gpu_export.kvcache_forward(a)
+        torch.cuda.synchronize()
+        assert bool((out == 7.0).all()) and torch.equal(k_cache, saved[0]) and torch.equal(v_cache, saved[1]), what
+    # Past the capacity on the device (cache_seqlens + seqlen_new > max_pages_per_seq * page_size): the
+    # keys that do not fit are dropped, no other sequence's page is written.
+    lens = torch.tensor([1020, 100], dtype=torch.int32, device="cuda")
+    k_new = torch.randn(2, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
+    a = gpu_export.kvcache_args(q, k_cache, v_cache, out, lens, table, k_new, k_new, causal=True)
+    gpu_export.kvcache_forward(a)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache[3, 252:], k_new[0, :4])  # positions 1020..1023 of sequence 0 (its last page)
+    assert torch.equal(k_cache[4, 100:108], k_new[1])
+    # Sequence 0's other 4 tokens would have gone to the next row of the block table (page 4, rows 0..3).
+    assert torch.equal(k_cache[:3], saved[0][:3]) and torch.equal(k_cache[4, :100], saved[0][4, :100])
+    assert torch.equal(k_cache[5:], saved[0][5:])
+    assert bool(out.isfinite().all())

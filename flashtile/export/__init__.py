@@ -33,7 +33,7 @@ def examples_dir() -> str:
     if os.path.isdir(packaged):
         return packaged
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "c")
-SOURCES = ("runtime.c", "attention.c", "flashtile_kernels.c")
+SOURCES = ("runtime.c", "checks.c", "attention.c", "kvcache.c", "flashtile_kernels.c")
 
 
 def cuda_include_dir() -> str:
@@ -50,28 +50,29 @@ def cuda_include_dir() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _worker_entries(head_dims: tuple, dtypes: tuple, features: tuple) -> list:
+def _worker_entries(head_dims: tuple, dtypes: tuple, features: tuple, page_sizes: tuple) -> list:
     """The export's entries, captured once per worker process (captured launches hold kernel
     functions, which do not pickle, so workers capture their own)."""
     from . import entries
 
-    return entries.entries(head_dims, dtypes, features)
+    return entries.entries(head_dims, dtypes, features, page_sizes)
 
 
 def _compile_entry(args):
     """Worker: compile the kernels of entry ``index`` of this export."""
-    index, head_dims, dtypes, features = args
+    index, head_dims, dtypes, features, page_sizes = args
     from . import aot
 
-    entry = _worker_entries(head_dims, dtypes, features)[index]
+    entry = _worker_entries(head_dims, dtypes, features, page_sizes)[index]
     return index, [aot.compile_kernel(launch, binding, entry.hinted)
                    for binding, launch in zip(entry.bindings, entry.launches)]
 
 
 def export(out: str, head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[str],
            arch: str = "sm90", jobs: int = 0, build: bool = True, cc: Optional[str] = None,
-           log=print) -> dict:
-    """Write the C library for these head dims, dtypes and features to ``out``; returns the manifest."""
+           page_sizes: Optional[Sequence[int]] = None, log=print) -> dict:
+    """Write the C library for these head dims, dtypes and features (the kv cache's for these
+    page sizes) to ``out``; returns the manifest."""
     from .._version import __version__
     from . import codegen, entries
 
@@ -81,14 +82,15 @@ def export(out: str, head_dims: Sequence[int], dtypes: Sequence[str], features: 
         if d not in entries.DTYPES:
             raise ValueError(f"--dtypes: {d!r}; expected fp16 and/or bf16")
     start = time.time()
-    found = entries.entries(head_dims, dtypes, features)
+    page_sizes = tuple(page_sizes or entries.PAGE_SIZES)
+    found = entries.entries(head_dims, dtypes, features, page_sizes)
     if not found:
         raise ValueError("nothing to export: give --features forward and/or backward")
     log(f"flashtile export: {len(found)} entries ({', '.join(map(str, head_dims))}; {', '.join(dtypes)}; "
         f"{', '.join(features)})")
     jobs = jobs or max(1, min(len(found), os.cpu_count() or 1))
     compiled = {}
-    work = [(i, tuple(head_dims), tuple(dtypes), tuple(features)) for i in range(len(found))]
+    work = [(i, tuple(head_dims), tuple(dtypes), tuple(features), page_sizes) for i in range(len(found))]
     if jobs == 1:
         results = map(_compile_entry, work)
     else:
@@ -108,14 +110,16 @@ def export(out: str, head_dims: Sequence[int], dtypes: Sequence[str], features: 
     import triton
 
     command = (f"python -m flashtile export --arch {arch} --head-dims {','.join(map(str, head_dims))} "
-               f"--dtypes {','.join(dtypes)} --features {','.join(features)}")
+               f"--dtypes {','.join(dtypes)} --features {','.join(features)}"
+               + (f" --page-sizes {','.join(map(str, page_sizes))}" if "kvcache" in features else ""))
     info = (f"flashtile {__version__} C library (API {1}); kernels compiled by Triton {triton.__version__} for {arch}\n"
             f"head dims: {', '.join(map(str, head_dims))}; dtypes: {', '.join(dtypes)}; features: "
-            f"{', '.join(features)}\nexported with: {command}")
+            f"{', '.join(features)}" + (f"; kv-cache page sizes: {', '.join(map(str, page_sizes))}"
+                                         if "kvcache" in features else "") + f"\nexported with: {command}")
     unique = {k.key: k for k in compiled.values()}
     with open(os.path.join(src, "flashtile_kernels.c"), "w") as f:
         f.write(codegen.generate(found, compiled, info, sorted(set(head_dims))))
-    for name in ("runtime.c", "runtime.h", "attention.c"):
+    for name in ("runtime.h", *SOURCES[:-1]):
         shutil.copy(os.path.join(CSRC, name), os.path.join(src, name))
     shutil.copy(os.path.join(CSRC, "flashtile.h"), os.path.join(include, "flashtile.h"))
     examples = os.path.join(out, "share", "flashtile", "examples")
@@ -125,6 +129,7 @@ def export(out: str, head_dims: Sequence[int], dtypes: Sequence[str], features: 
     manifest = {
         "flashtile": __version__, "triton": triton.__version__, "arch": arch, "command": command,
         "head_dims": list(head_dims), "dtypes": list(dtypes), "features": list(features),
+        "page_sizes": list(page_sizes) if "kvcache" in features else [],
         "entries": [{"name": e.name, "config": repr(e.config)} for e in found],
         "kernels": len(unique), "cubin_bytes": sum(len(k.cubin) for k in unique.values()),
         "compile_s": round(compile_s, 1),

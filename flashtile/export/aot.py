@@ -47,7 +47,7 @@ class Kernel:
 
 
 def _stride_hint(binding: bindings.Binding, name: str, expr: str) -> bool:
-    inner = re.fullmatch(r"SEL\(batch > 1, (\w+), 0\)", expr)
+    inner = re.fullmatch(r"SEL\(\w+ > 1, (\w+), 0\)", expr)
     return (inner.group(1) if inner else expr) in bindings.CHECKED_STRIDE_FIELDS
 
 

@@ -38,15 +38,22 @@ INT_FIELDS = (
     "window_left", "window_right",  # the window's sides, each at least 0 (unbounded sides are constexpr off)
     "alibi_sb",     # the ALiBi slopes' batch stride: 0 for (nheads,) slopes
     *(f"{t}_{s}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for s in ("sb", "ss", "sh")),
+    # The kv-cache call: k / v above are the paged caches (their batch stride the page stride), kn / vn
+    # the new tokens appended.
+    "seqlen_new", "page_size", "num_pages",
+    "seq_pages",    # pages per sequence: the block table's columns
+    "bt_sb",        # the block table's row stride
+    "n_splits", "keys_per_split",  # split-KV: programs per sequence's keys, keys each (a BLOCK_N multiple)
+    *(f"{t}_{s}" for t in ("kn", "vn") for s in ("sb", "ss", "sh")),
 )
 FLOAT_FIELDS = ("softmax_scale", "softcap")
 POINTER_FIELDS = ("q", "k", "v", "o", "lse", "do", "dq", "dk", "dv", "cu_q", "cu_k", "delta", "lse_log2", "dq_acc",
-                  "counts", "alibi")
+                  "counts", "alibi", "knew", "vnew", "cache_seqlens", "seqused", "block_table", "o_part", "lse_part")
 
 # Tensors of the caller whose strides the library checks to be multiples of 16 elements (and whose
 # bases to be 16-byte aligned), so their stride arguments compile with Triton's divisibility hint as
 # the Python path's do for such layouts.
-CHECKED_STRIDE_FIELDS = tuple(f"{t}_{s}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+CHECKED_STRIDE_FIELDS = tuple(f"{t}_{s}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv", "kn", "vn")
                               for s in ("sb", "ss", "sh"))
 
 
@@ -275,6 +282,60 @@ def portable_backward(kernel: str, cfg, options, varlen: bool) -> Binding:
     return Binding(kernel, grid, params)
 
 
+def kvcache_update() -> Binding:
+    """kernels/portable/launch.launch_kvcache_update without rotary tables: the new keys and values
+    written into the paged cache, and seqused <- cache_seqlens + seqlen_new."""
+    params = {"Q": Pointer("q"), "QOut": Pointer("q"), "K": Pointer("knew"), "V": Pointer("vnew"),
+              "KCache": Pointer("k"), "VCache": Pointer("v"), "CacheSeqlens": Pointer("cache_seqlens"),
+              "BlockTable": Pointer("block_table"), "SeqUsedK": Pointer("seqused"),
+              "stride_cos": "0", "stride_bt": "bt_sb", "seqlen_q": "rows_q", "seqlen_new": "seqlen_new",
+              "nheads": "nheads", "nheads_k": "nheads_k", "page_size": "page_size", "num_pages": "num_pages",
+              "seq_pages": "seq_pages"}
+    for prefix, tensor in (("q", "q"), ("qo", "q"), ("k", "kn"), ("v", "vn"), ("kc", "k"), ("vc", "v")):
+        outer = "p" if prefix in ("kc", "vc") else "b"
+        params.update({f"stride_{prefix}{outer}": f"{tensor}_sb", f"stride_{prefix}s": f"{tensor}_ss",
+                       f"stride_{prefix}h": f"{tensor}_sh"})
+    return Binding("kvcache_update_kernel", ("seqlen_new", "MAX(nheads, nheads_k)", "batch"), params)
+
+
+def kvcache_forward(cfg, options, split: bool) -> Binding:
+    """kernels/portable/launch.PortableForward over a paged cache (the kv-cache call), or with
+    ``split`` SplitForward's two launches' first: partial results into the workspace's o_part and
+    lse_part, (n_splits, batch, rows, heads, head_dim) and (n_splits, batch, heads, rows) float32."""
+    def cache_stride(expr: str) -> str:
+        return f"SEL(num_pages > 1, {expr}, 0)"  # _batch_stride of the (pages, page_size, hk, d) cache
+    if split:
+        out = {"Out": Pointer("o_part"), "Lse": Pointer("lse_part"),
+               "stride_ob": _batch_stride("rows_q * nheads * head_dim"), "stride_os": "nheads * head_dim",
+               "stride_oh": "head_dim", "stride_lse_b": _batch_stride("nheads * rows_q"), "stride_lse_h": "rows_q",
+               "num_splits": "n_splits", "keys_per_split": "keys_per_split",
+               "split_stride_o": "batch * rows_q * nheads * head_dim", "split_stride_lse": "batch * nheads * rows_q"}
+    else:
+        out = {"Out": Pointer("o"), "Lse": Pointer("lse"), **_bsh("o", "o"), "stride_lse_b": _batch_stride("lse_sb"),
+               "stride_lse_h": "lse_sh", "num_splits": "1", "keys_per_split": "0", "split_stride_o": "0",
+               "split_stride_lse": "0"}
+    params = {"Q": Pointer("q"), "K": Pointer("k"), "V": Pointer("v"), **out, **_bsh("q", "q"),
+              "stride_kb": cache_stride("k_sb"), "stride_ks": "k_ss", "stride_kh": "k_sh",
+              "stride_vb": cache_stride("v_sb"), "stride_vs": "v_ss", "stride_vh": "v_sh",
+              "SeqUsedK": Pointer("seqused"), "BlockTable": Pointer("block_table"), "stride_bt": "bt_sb",
+              "seq_pages": "seq_pages", "num_pages": "num_pages", "nheads": "nheads",
+              "head_group": "DIV(nheads, nheads_k)", "seqlen_q": "rows_q", "seqlen_k": str(2**31 - 1),
+              **_score_params(options)}
+    blocks = f"CDIV(max_seqlen_q, {cfg.block_m})"
+    return Binding("attn_fwd_kernel", (f"{blocks} * n_splits" if split else blocks, "nheads", "batch"), params)
+
+
+def split_combine() -> Binding:
+    """SplitForward's combine: the partial results merged into out and lse."""
+    params = {"OutPartial": Pointer("o_part"), "LsePartial": Pointer("lse_part"), "Out": Pointer("o"),
+              "Lse": Pointer("lse"), "stride_ps": "batch * rows_q * nheads * head_dim",
+              "stride_pb": "rows_q * nheads * head_dim", "stride_pr": "nheads * head_dim", "stride_ph": "head_dim",
+              "stride_ls": "batch * nheads * rows_q", "stride_lb": "nheads * rows_q", "stride_lh": "rows_q",
+              "stride_ob": "o_sb", "stride_or": "o_ss", "stride_oh": "o_sh", "stride_lse_b": "lse_sb",
+              "stride_lse_h": "lse_sh", "num_rows": "rows_q", "num_splits": "n_splits"}
+    return Binding("attn_combine_kernel", ("CDIV(rows_q, 16)", "nheads", "batch"), params)
+
+
 # ----------------------------------------------------------------------------------------------
 # Evaluation in Python (the tests' side of the check)
 
@@ -311,6 +372,20 @@ def call_fields(q, k, v, out, seqs=None, dout=None, dq=None, dk=None, dv=None, s
          "alibi_sb": alibi.stride(0) if alibi is not None and alibi.dim() == 2 else 0}
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         t = q if t is None else t
+        f[f"{name}_sb"], f[f"{name}_ss"], f[f"{name}_sh"] = t.stride(0), t.stride(1), t.stride(2)
+    return f
+
+
+def kvcache_call_fields(q, k_cache, v_cache, out, lse, k_new=None, v_new=None, block_table=None, n_splits=1,
+                        keys_per_split=0, **options) -> dict:
+    """ft_call's fields for a kv-cache call as the C library fills them: q, out and lse may be the
+    strided views the forward runs on (GQA heads as rows); the caches are (pages, page_size, hk, d)."""
+    f = call_fields(q, k_cache, v_cache, out, **options)
+    f.update({"lse_sb": lse.stride(0), "lse_sh": lse.stride(1), "seqlen_new": 0 if k_new is None else k_new.shape[1],
+              "page_size": k_cache.shape[1], "num_pages": k_cache.shape[0], "seq_pages": block_table.shape[1],
+              "bt_sb": block_table.stride(0), "n_splits": n_splits, "keys_per_split": keys_per_split})
+    for name, t in (("kn", k_new), ("vn", v_new)):
+        t = k_cache if t is None else t
         f[f"{name}_sb"], f[f"{name}_ss"], f[f"{name}_sh"] = t.stride(0), t.stride(1), t.stride(2)
     return f
 

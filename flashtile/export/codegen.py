@@ -12,6 +12,8 @@ from .entries import OPTIONS, UNBOUNDED, Entry
 _POINTER_NAMES = {"do": "dout"}  # ft_call's C name of a pointer field ("do" is a C keyword)
 _FIELDS = set(bindings.INT_FIELDS) | set(bindings.FLOAT_FIELDS)
 _DTYPE_CODES = {"fp16": 0, "bf16": 1}
+_DIRECTIONS = {"forward": "FT_FORWARD", "backward": "FT_BACKWARD", "kvcache": "FT_KVCACHE",
+               "kvcache_update": "FT_KVCACHE_UPDATE"}
 
 
 def c_expr(expr: str) -> str:
@@ -99,10 +101,11 @@ def generate(found: Sequence[Entry], compiled: Dict[tuple, aot.Kernel], build_in
     for e_index, e in enumerate(found):
         top = "INT64_MAX" if e.max_seqlen_k >= UNBOUNDED else str(e.max_seqlen_k)
         options = sum(1 << i for i, name in enumerate(OPTIONS) if name in e.options)
-        out.append(f"    {{{'FT_FORWARD' if e.direction == 'forward' else 'FT_BACKWARD'}, {_DTYPE_CODES[e.dtype]}, "
+        block_n = getattr(e.config, "block_n", 0) if e.direction == "kvcache" else 0
+        out.append(f"    {{{_DIRECTIONS[e.direction]}, {_DTYPE_CODES[e.dtype]}, "
                    f"{e.head_dim}, {int(e.causal)}, {int(e.varlen)}, {options}, {e.decode}, {e.min_seqlen_k}, "
                    f"{top}, {int(e.needs_counts)}, {int(e.direction == 'backward' and not e.portable)}, "
-                   f"entry_{e_index}, \"{e.name}\"}},")
+                   f"{e.page_size}, {int(e.split)}, {block_n}, entry_{e_index}, \"{e.name}\"}},")
     out += ["};", f"const int ft_entry_count = {len(found)};",
             f"const int ft_head_dims[] = {{{', '.join(map(str, head_dims))}}};",
             f"const int ft_head_dim_count = {len(head_dims)};",

@@ -9,6 +9,7 @@ kernels) the C result must be as close to the float64 reference as FlashAttentio
 through both paths in the same process (CUDA events, median of rounds)."""
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
@@ -203,6 +204,124 @@ OPTION_CASES = [
 ]
 
 
+def check_kvcache_case(lib, batch, seqlen_q, seqlen_new, nheads, nheads_k, head_dim, dtype, causal, page_size=256,
+                       pages_per_seq=16, num_splits=0, window=(-1, -1), softcap=0.0, alibi=False, seed=0) -> dict:
+    """flash_attn_with_kvcache through Python and the C library's kv-cache call on the same paged
+    cache (pages shuffled), appending ``seqlen_new`` tokens: the caches after the update must be
+    bitwise equal, out and lse bitwise or within FlashAttention's rule of the float64 reference."""
+    import flashtile
+    from ..reference import attention_naive
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    num_pages = batch * pages_per_seq + 3
+    capacity = pages_per_seq * page_size
+    k_cache, v_cache = r(num_pages, page_size, nheads_k, head_dim), r(num_pages, page_size, nheads_k, head_dim)
+    table = torch.randperm(num_pages, generator=g, device="cuda")[:batch * pages_per_seq].view(batch, -1)
+    table = table.to(torch.int32).contiguous()
+    lens = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=g, device="cuda", dtype=torch.int32)
+    q = r(batch, seqlen_q, nheads, head_dim)
+    k_new, v_new = (r(batch, seqlen_new, nheads_k, head_dim) if seqlen_new else None for _ in range(2))
+    options = {"window_size": window, "softcap": softcap}
+    if alibi:
+        options["alibi_slopes"] = torch.rand((batch, nheads), generator=g, device="cuda") * 0.3
+    kc_py, vc_py = k_cache.clone(), v_cache.clone()
+    out_py, lse_py = flashtile.flash_attn_with_kvcache(q, kc_py, vc_py, k_new, v_new, cache_seqlens=lens,
+                                                       block_table=table, causal=causal, num_splits=num_splits,
+                                                       return_softmax_lse=True, **options)
+    kc_c, vc_c = k_cache.clone(), v_cache.clone()
+    out_c = torch.full_like(q, float("nan"))
+    lse_c = torch.full((batch, nheads, seqlen_q), float("nan"), device="cuda")
+    a = lib.kvcache_args(q, kc_c, vc_c, out_c, lens, table, k_new, v_new, lse_c, causal=causal,
+                         num_splits=num_splits, **options)
+    lib.kvcache_forward(a)
+    torch.cuda.synchronize()
+    bitwise = {"k_cache": bool(torch.equal(kc_py, kc_c)), "v_cache": bool(torch.equal(vc_py, vc_c)),
+               "out": bool(torch.equal(out_py, out_c)), "lse": bool(torch.equal(lse_py, lse_c))}
+    result = {"batch": batch, "seqlen_q": seqlen_q, "seqlen_new": seqlen_new, "nheads": nheads, "nheads_k": nheads_k,
+              "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "causal": causal,
+              "page_size": page_size, "capacity": capacity, "num_splits": num_splits, "window": list(window),
+              "softcap": softcap, "alibi": alibi, "bitwise": bitwise, "finite": bool(out_c.isfinite().all())}
+    if not (bitwise["out"] and bitwise["lse"]):
+        err_py = err_c = 0.0
+        for b in range(batch):
+            n = int(lens[b]) + seqlen_new
+            rows = torch.arange(n, device="cuda")
+            pages, offsets = table[b][rows // page_size].long(), rows % page_size
+            keys, values = kc_py[pages, offsets][None], vc_py[pages, offsets][None]
+            opts = dict(options)
+            if alibi:
+                opts["alibi_slopes"] = options["alibi_slopes"][b]
+            ref, _ = attention_naive(q[b:b + 1], keys, values, causal=causal, **opts)
+            err_py = max(err_py, (out_py[b:b + 1].double() - ref).abs().max().item())
+            err_c = max(err_c, (out_c[b:b + 1].double() - ref).abs().max().item())
+        result["errors"] = {"out": {"python": err_py, "c": err_c, "ok": err_c <= 2 * err_py + 1e-5}}
+    result["ok"] = (result["finite"] and bitwise["k_cache"] and bitwise["v_cache"]
+                    and (bitwise["out"] and bitwise["lse"] or result["errors"]["out"]["ok"]))
+    return result
+
+
+def time_kvcache(lib, batch, cache_len, nheads, nheads_k, head_dim, dtype, page_size=256) -> dict:
+    """One decoding step (1 query and 1 new token per sequence, causal, automatic splits) through
+    both paths: the time per call with its host work (back-to-back calls), median of rounds."""
+    import flashtile
+
+    pages_per_seq = -(-(cache_len + 1) // page_size)
+    num_pages = batch * pages_per_seq
+    k_cache = torch.randn(num_pages, page_size, nheads_k, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.arange(num_pages, dtype=torch.int32, device="cuda").view(batch, -1)
+    lens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, nheads, head_dim, device="cuda", dtype=dtype)
+    k_new, v_new = (torch.randn(batch, 1, nheads_k, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+    out = torch.empty_like(q)
+    a = lib.kvcache_args(q, k_cache, v_cache, out, lens, table, k_new, v_new, causal=True)
+    size = ctypes.c_size_t()
+    lib.lib.flashtile_kvcache_forward_workspace_size(ctypes.byref(a), ctypes.byref(size))
+    ws = torch.empty(max(size.value, 1), dtype=torch.uint8, device="cuda")
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream or None)
+
+    def c_step():
+        lib.lib.flashtile_kvcache_forward(ctypes.byref(a), ctypes.c_void_p(ws.data_ptr()), ctypes.c_size_t(size.value),
+                                          stream)
+    paths = {"c": c_step, "python": lambda: flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=table, causal=True)}
+    for fn in paths.values():
+        fn()
+    samples = {name: [] for name in paths}
+    for _ in range(7):
+        for name, fn in paths.items():
+            samples[name].append(_median_ms(fn, rounds=1, iters=20))
+    kv_bytes = 2 * batch * (cache_len + 1) * nheads_k * head_dim * k_cache.element_size()
+    row = {"batch": batch, "cache_len": cache_len, "nheads": nheads, "nheads_k": nheads_k, "head_dim": head_dim,
+           "dtype": str(dtype).replace("torch.", ""), "page_size": page_size}
+    for name in paths:
+        ms = statistics.median(samples[name])
+        row[f"{name}_us"] = round(ms * 1000, 1)
+        row[f"{name}_gbps"] = round(kv_bytes / ms / 1e6, 0)
+    return row
+
+
+# batch, seqlen_q, seqlen_new, nheads, nheads_k, head_dim, causal, num_splits (export with kvcache)
+KVCACHE_CASES = [
+    (2, 1, 1, 8, 2, 128, True, 0),    # decoding, GQA heads as rows, automatic splits
+    (4, 1, 1, 8, 8, 64, False, 0),
+    (3, 1, 2, 8, 1, 128, True, 1),    # MQA as rows, no split
+    (2, 4, 4, 8, 2, 128, True, 0),    # speculative rows
+    (2, 40, 40, 4, 1, 64, True, 1),   # a chunk of prefill against the cache
+    (2, 100, 0, 4, 4, 128, False, 3),  # no new tokens, 3 splits
+]
+# ... with score options (export with kvcache and window, softcap, alibi):
+# batch, seqlen_q, seqlen_new, nheads, nheads_k, head_dim, causal, num_splits, window, softcap, alibi
+KVCACHE_OPTION_CASES = [
+    (2, 1, 1, 8, 2, 128, True, 0, (256, 0), 0.0, False),
+    (2, 3, 3, 8, 2, 128, False, 0, (-1, -1), 30.0, True),
+    (2, 20, 20, 4, 4, 128, True, 1, (64, -1), 0.0, True),
+]
+
+
 def check_dump(directory: str) -> dict:
     """The files an example wrote with --dump (examples/c): its inputs through the Python API, compared
     with its outputs (bitwise, else FlashAttention's rule against the float64 reference)."""
@@ -271,7 +390,9 @@ def main(argv=None) -> int:
     lib = Library(args.lib)
     exported = lib.build_info()
     cases, timings = [], []
-    for dtype in (torch.bfloat16, torch.float16):
+    features = exported.split("features:")[1].split("\n")[0]
+    dense = "forward" in features and "backward" in features
+    for dtype in (torch.bfloat16, torch.float16) if dense else ():
         if ("bf16" if dtype == torch.bfloat16 else "fp16") not in exported.split("dtypes:")[1].split(";")[0]:
             continue
         for b, sq, sk, h, hk, d, causal, lengths in CASES:
@@ -284,8 +405,7 @@ def main(argv=None) -> int:
             same = "bitwise" if all(r["bitwise"].values()) else "rule" if r["ok"] else "FAIL"
             print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['dtype']} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} "
                   f"{'causal' if causal else 'full'}{' varlen' if lengths else ''}: {same}", flush=True)
-    features = exported.split("features:")[1].split("\n")[0]
-    for dtype in (torch.bfloat16,):
+    for dtype in (torch.bfloat16,) if dense else ():
         for b, sq, sk, h, hk, d, causal, lengths, window, softcap, alibi in OPTION_CASES:
             if args.varlen_only and not lengths:
                 continue
@@ -299,7 +419,33 @@ def main(argv=None) -> int:
             same = "bitwise" if all(r["bitwise"].values()) else "rule" if r["ok"] else "FAIL"
             print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['dtype']} b{b} sq{sq} h{h}/{hk} d{d} {'causal' if causal else ''} "
                   f"window {window} softcap {softcap} alibi {alibi}{' varlen' if lengths else ''}: {same}", flush=True)
-    if not args.no_timing:
+    if "kvcache" in features:
+        heads = exported.split("head dims:")[1].split(";")[0]
+        pages = exported.split("page sizes:")[1].split("\n")[0] if "page sizes:" in exported else " 256"
+        page_size = int(pages.split(",")[0])
+        for b, sq, new, h, hk, d, causal, splits, *opts in ([c + ((-1, -1), 0.0, False) for c in KVCACHE_CASES]
+                                                          + KVCACHE_OPTION_CASES):
+            window, softcap, alibi = opts
+            if f" {d}," not in f" {heads}," or (window != (-1, -1) and "window" not in features) or \
+                    (softcap and "softcap" not in features) or (alibi and "alibi" not in features) or args.varlen_only:
+                continue
+            for dtype in (torch.bfloat16, torch.float16):
+                if ("bf16" if dtype == torch.bfloat16 else "fp16") not in exported.split("dtypes:")[1].split(";")[0]:
+                    continue
+                r = check_kvcache_case(lib, b, sq, new, h, hk, d, dtype, causal, page_size, num_splits=splits,
+                                       window=window, softcap=softcap, alibi=alibi)
+                cases.append(r)
+                same = "bitwise" if all(r["bitwise"].values()) else "rule" if r["ok"] else "FAIL"
+                print(f"{'ok  ' if r['ok'] else 'FAIL'} kvcache {r['dtype']} b{b} sq{sq} new{new} h{h}/{hk} d{d} "
+                      f"{'causal' if causal else 'full'} splits {splits} window {window} softcap {softcap} alibi "
+                      f"{alibi}: {same}", flush=True)
+        if not args.no_timing and " 128," in f" {heads},":
+            for batch, cache_len in ((1, 8192), (8, 8192), (64, 8192), (8, 32768)):
+                t = time_kvcache(lib, batch, cache_len, 32, 8, 128, torch.bfloat16, page_size)
+                timings.append(t)
+                print(f"kvcache decode step d128 32/8 heads, batch {batch}, {cache_len} keys: C {t['c_us']} us "
+                      f"({t['c_gbps']} GB/s) vs Python {t['python_us']} us ({t['python_gbps']} GB/s)", flush=True)
+    if not args.no_timing and dense:
         for seqlen, batch in ((4096, 4), (16384, 1)):
             timings.append(time_case(lib, batch, seqlen, 16, 128, torch.bfloat16, True))
             t = timings[-1]

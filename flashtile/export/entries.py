@@ -20,7 +20,8 @@ from . import bindings
 
 ARCH = "sm90"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-FEATURES = ("forward", "backward", "varlen", "window", "softcap", "alibi")
+FEATURES = ("forward", "backward", "varlen", "kvcache", "window", "softcap", "alibi")
+PAGE_SIZES = (256,)  # the kv cache's default page sizes (flash_attn 2.x pages: multiples of 256)
 # The score options a portable entry is built for (its constexpr flags), as the C library names them.
 OPTIONS = ("left", "right", "softcap", "alibi")
 UNBOUNDED = 2**62
@@ -42,6 +43,8 @@ class Entry:
     options: frozenset = frozenset()  # portable entries: the score options (OPTIONS) compiled in
     decode: int = -1          # packed portable forwards: 1 for at most configs.DECODE_MAX_ROWS query rows, 0 above
     portable: bool = False
+    page_size: int = 0        # kv-cache forwards: the cache's page size (a constexpr of the kernel)
+    split: bool = False       # kv-cache forwards: split-KV (partial results, then the combine)
 
     @property
     def hinted(self) -> bool:
@@ -58,6 +61,11 @@ class Entry:
         if self.options - {"right"} or ("right" in self.options and not self.causal):
             mask = "+".join(o for o in OPTIONS if o in self.options) + ("-causal" if self.causal else "")
         top = "inf" if self.max_seqlen_k >= UNBOUNDED else self.max_seqlen_k
+        if self.direction == "kvcache_update":
+            return f"kvcache_update_{self.dtype}_d{self.head_dim}"
+        if self.direction == "kvcache":
+            rows = "decode" if self.decode == 1 else "rows"
+            return f"kvcache_{self.dtype}_d{self.head_dim}_{mask}_page{self.page_size}_{rows}{'_split' * self.split}"
         kind = "portable_" if self.portable else ""
         return f"{self.direction}_{kind}{self.dtype}_d{self.head_dim}_{mask}_{layout}_k{self.min_seqlen_k}-{top}"
 
@@ -141,8 +149,10 @@ def entry_bindings(direction: str, cfg, causal: bool, varlen: bool, head_dim: in
             bindings.dq_convert(cfg, varlen, head_dim)]
 
 
-def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[str]) -> List[Entry]:
-    """Every entry of an export of these head dims, dtypes ("fp16", "bf16") and features."""
+def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[str],
+            page_sizes: Sequence[int] = PAGE_SIZES) -> List[Entry]:
+    """Every entry of an export of these head dims, dtypes ("fp16", "bf16") and features (the kv
+    cache's for these page sizes)."""
     from ..kernels.hopper.tma import HEAD_DIMS
 
     unknown = set(features) - set(FEATURES)
@@ -151,6 +161,9 @@ def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[
     bad = [d for d in head_dims if not 1 <= d <= 256]
     if bad:
         raise ValueError(f"--head-dims: {bad}; flashtile takes head dims 1 to 256")
+    bad = [p for p in page_sizes if not 1 <= p <= 2**20]
+    if "kvcache" in features and (bad or not page_sizes):
+        raise ValueError(f"--page-sizes: {list(page_sizes)}; expected one or more page sizes of 1 to {2**20} rows")
     directions = [d for d in ("forward", "backward") if d in features]
     layouts = [False] + ([True] if "varlen" in features else [])
     found: List[Entry] = []
@@ -182,6 +195,71 @@ def entries(head_dims: Sequence[int], dtypes: Sequence[str], features: Sequence[
                 for options, causal in option_sets(features, hopper=head_dim in HEAD_DIMS):
                     for varlen in layouts:
                         found += portable_entries(direction, dtype_name, head_dim, options, causal, varlen)
+    if "kvcache" in features:
+        for dtype_name in dtypes:
+            for head_dim in head_dims:
+                found += kvcache_entries(dtype_name, head_dim, features, page_sizes)
+    return found
+
+
+def sample_kvcache_call(head_dim: int, dtype, rows: int, page_size: int, nheads: int = 4, nheads_k: int = 2):
+    """Meta tensors of one kv-cache call (two sequences, GQA, two new tokens each): q, k_cache,
+    v_cache, k_new, v_new, out, lse, cache_seqlens, block_table, each with its own storage size."""
+    q = _meta(2, rows, nheads, head_dim, dtype=dtype)
+    k_cache = _meta(20, page_size, nheads_k, head_dim, dtype=dtype)
+    v_cache = _meta(21, page_size, nheads_k, head_dim, dtype=dtype)[:20]
+    k_new = _meta(2, 2, nheads_k, head_dim, dtype=dtype)
+    v_new = _meta(2, 3, nheads_k, head_dim, dtype=dtype)[:, :2]
+    out = _meta(2, rows + 1, nheads, head_dim, dtype=dtype)[:, :rows]
+    lse = _meta(2, nheads, rows, dtype=torch.float32)
+    cache_seqlens = _meta(2, dtype=torch.int32)
+    block_table = _meta(2, 11, dtype=torch.int32)[:, :10]
+    return q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, block_table
+
+
+def capture_kvcache(cfg, params: ScoreParams, call, split: bool) -> list:
+    """The launches of the kv-cache call's update (no rotary) and forward (``split``: 3 splits and
+    the combine; ``cfg``: the forward's config) on sample_kvcache_call's tensors."""
+    from ..kernels.portable.launch import PortableForward, SplitForward, launch_kvcache_update
+    from ..tools import catalog
+
+    q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, block_table = call
+
+    def run():
+        _, seqused = launch_kvcache_update(q, k_new, v_new, k_cache, v_cache, None, None, cache_seqlens, block_table,
+                                           True, params.causal)
+        seqs = PackedSeqs(None, None, q.shape[1], block_table.shape[1] * k_cache.shape[1], seqused_k=seqused,
+                          block_table=block_table)
+        if split:
+            SplitForward(q, k_cache, v_cache, out, lse, params, seqs, 3, cfg)(q, k_cache, v_cache, out, lse, params,
+                                                                              seqs)
+        else:
+            PortableForward(q, k_cache, v_cache, out, lse, params, cfg, seqs)(q, k_cache, v_cache, out, lse, params,
+                                                                              seqs)
+    return catalog.capture(run)
+
+
+def kvcache_entries(dtype_name: str, head_dim: int, features: Sequence[str], page_sizes: Sequence[int]) -> List[Entry]:
+    """The kv-cache call's entries for one dtype and head dim: the update (appending new tokens), and
+    the forward over a paged cache for each option set and page size, for a few query rows per
+    sequence (decoding) and more, each plain and split-KV."""
+    dtype = DTYPES[dtype_name]
+    found = []
+    for options, causal in option_sets(features, hopper=False):
+        params = score_params(options, causal)
+        for page_size in page_sizes:
+            for decode, kernel, rows in ((1, FWD_DECODE, 1), (0, FWD, 40)):
+                cfg = table_config(kernel, ARCH, head_dim, causal, 4096, dtype)
+                call = sample_kvcache_call(head_dim, dtype, rows, page_size)
+                for split in (False, True):
+                    launches = capture_kvcache(cfg, params, call, split)
+                    if not found:  # the update: one entry, its page size a runtime argument
+                        found.append(Entry("kvcache_update", dtype_name, head_dim, False, True, 1, UNBOUNDED, None,
+                                           [bindings.kvcache_update()], launches[:1], portable=True))
+                    binds = [bindings.kvcache_forward(cfg, options, split)] + [bindings.split_combine()] * split
+                    found.append(Entry("kvcache", dtype_name, head_dim, causal, True, 1, UNBOUNDED, cfg, binds,
+                                       launches[1:], options=options, decode=decode, portable=True,
+                                       page_size=page_size, split=split))
     return found
 
 

@@ -30,10 +30,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = command_parser(PROG, __doc__)
     parser.add_argument("--arch", default="sm90", help="target architecture (sm90: H100 / H200)")
     parser.add_argument("--head-dims", type=_ints, default=[64, 128],
-                        help="comma list of head dims among 64, 96, 128, 192, 256 (default 64,128)")
+                        help="comma list of head dims, 1 to 256 (default 64,128); 64, 96, 128, 192 and 256 get "
+                             "the Hopper kernels, others the portable ones")
     parser.add_argument("--dtypes", type=_names, default=["bf16", "fp16"], help="bf16 and/or fp16 (default both)")
     parser.add_argument("--features", type=_names, default=["forward", "backward", "varlen"],
-                        help="forward, backward, varlen (packed batches) (default all)")
+                        help="comma list of forward, backward, varlen (packed batches), kvcache (the kv-cache "
+                             "call), window, softcap, alibi (default forward,backward,varlen)")
+    parser.add_argument("--page-sizes", type=_ints, default=None,
+                        help="with kvcache: comma list of the paged cache's page sizes, in rows (default 256)")
     parser.add_argument("--out", required=True, help="the directory to write the library to")
     parser.add_argument("--jobs", type=int, default=0, help="parallel compiles (default: one per CPU)")
     parser.add_argument("--cc", default=None, help="C compiler (default $CC or cc)")
@@ -43,7 +47,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         export(args.out, args.head_dims, args.dtypes, args.features, arch=args.arch, jobs=args.jobs,
-               build=not args.no_build, cc=args.cc)
+               build=not args.no_build, cc=args.cc, page_sizes=args.page_sizes)
     except (ValueError, NotImplementedError, FileNotFoundError, RuntimeError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@
  * Needs no GPU and no CUDA driver: every call here either fails validation (which the header
  * promises happens before anything touches memory or loads the driver) or, for the one valid call,
  * is expected to report the missing driver. Device pointers are fake but aligned addresses that the
- * library must never dereference on the host. Built against an export that holds head dim 64.
+ * library must never dereference on the host. Built against an export that holds head dim 64 in bf16,
+ * the kv-cache call with page size 256 (--features ...,kvcache), and no head dim 40, no window.
  *
  * Prints "ok <case>" or "FAIL <case>: ..." per case and "check_errors: N passed, M failed" last;
  * exits 0 only when every case passes.
@@ -71,6 +72,39 @@ static flashtile_attention_grads valid_grads(void) {
     g.dk = tensor(10, HK);
     g.dv = tensor(11, HK);
     return g;
+}
+
+enum { PAGE = 256, PAGES = 64, SEQ_PAGES = 4, NEW = 3 };
+
+/* A valid kv-cache call: 2 sequences of one query each against a paged cache (64 pages of 256 rows,
+ * 4 pages per sequence), appending 3 tokens, GQA 8 / 2 heads, without splits (no device asked). */
+static flashtile_kvcache_args kv_baseline(void) {
+    flashtile_kvcache_args a;
+    flashtile_kvcache_args_init(&a);
+    a.batch = B;
+    a.seqlen_q = 1;
+    a.nheads = H;
+    a.nheads_k = 2;
+    a.head_dim = D;
+    a.q = tensor(1, H);
+    a.out = tensor(4, H);
+    a.k_cache = tensor(2, 2);
+    a.v_cache = tensor(3, 2);
+    a.k_cache.batch_stride = a.v_cache.batch_stride = (int64_t)PAGE * 2 * D;
+    a.num_pages = PAGES;
+    a.page_size = PAGE;
+    a.block_table = (const int32_t *)FAKE(12);
+    a.max_pages_per_seq = SEQ_PAGES;
+    a.cache_seqlens = (const int32_t *)FAKE(13);
+    a.k_new = tensor(14, 2);
+    a.v_new = tensor(15, 2);
+    a.seqlen_new = NEW;
+    a.num_splits = 1;
+    return a;
+}
+
+static flashtile_status kv_forward(const flashtile_kvcache_args *a) {
+    return flashtile_kvcache_forward(a, FAKE_WORKSPACE, BIG_WORKSPACE, NULL);
 }
 
 static flashtile_status forward(const flashtile_attention_args *a) {
@@ -249,6 +283,51 @@ int main(void) {
                    FLASHTILE_ERROR_WORKSPACE, -1, "workspace");
     }
 
+    /* The kv-cache call. */
+    {
+        flashtile_kvcache_args kv;
+        flashtile_kvcache_args_init(&kv);
+        if (kv.struct_size == (int)sizeof kv && kv.window_left == -1 && kv.window_right == -1 && kv.num_splits == 0 &&
+            kv.seqlen_new == 0 && kv.k_new.data == NULL && kv.block_table == NULL)
+            pass_case("kvcache_args_init_defaults");
+        else
+            fail_case("kvcache_args_init_defaults", FLASHTILE_SUCCESS, "unexpected defaults");
+        kv = kv_baseline();
+        flashtile_status st = flashtile_kvcache_forward_workspace_size(&kv, &bytes);
+        if (st != FLASHTILE_SUCCESS) fail_case("kvcache_baseline_workspace_size", st, "the baseline must be valid");
+        else if (bytes == 0) fail_case("kvcache_baseline_workspace_size", st, "no workspace for the new lengths");
+        else pass_case("kvcache_baseline_workspace_size");
+        expect("kvcache_null_args", kv_forward(NULL), INVALID, -1, "args");
+        kv.struct_size = 4;
+        expect("kvcache_struct_size", kv_forward(&kv), INVALID, -1, "struct_size|kvcache_args_init");
+        kv = kv_baseline();
+        kv.block_table = NULL;
+        expect("kvcache_block_table_null", kv_forward(&kv), INVALID, -1, "=block_table");
+        kv = kv_baseline();
+        kv.cache_seqlens = (const int32_t *)(uintptr_t)0x1004;
+        expect("kvcache_cache_seqlens_misaligned", kv_forward(&kv), INVALID, -1, "=cache_seqlens;align");
+        kv = kv_baseline();
+        kv.seqlen_new = SEQ_PAGES * PAGE + 1;
+        expect("kvcache_seqlen_new_over_capacity", kv_forward(&kv), INVALID, -1, "=seqlen_new;capacity");
+        kv = kv_baseline();
+        kv.v_new.data = NULL;
+        expect("kvcache_v_new_null", kv_forward(&kv), INVALID, -1, "=v_new");
+        kv = kv_baseline();
+        kv.k_cache.data = (void *)(uintptr_t)0x1002;
+        expect("kvcache_k_cache_misaligned", kv_forward(&kv), INVALID, -1, "=k_cache;align");
+        kv = kv_baseline();
+        kv.num_splits = -1;
+        expect("kvcache_num_splits_negative", kv_forward(&kv), INVALID, -1, "=num_splits");
+        kv = kv_baseline();
+        kv.page_size = 16;
+        kv.k_cache.batch_stride = kv.v_cache.batch_stride = (int64_t)16 * 2 * D;
+        expect("kvcache_page_size_not_exported", kv_forward(&kv), FLASHTILE_ERROR_NOT_EXPORTED, -1,
+               "=page_size;page-sizes");
+        kv = kv_baseline();
+        kv.window_left = 100;
+        expect("kvcache_window_not_exported", kv_forward(&kv), FLASHTILE_ERROR_NOT_EXPORTED, -1, "window");
+    }
+
     /* A fully valid call: with no driver it must say libcuda is missing; with one, it would run on
      * the fake pointers, so it is skipped. */
     {
@@ -262,6 +341,10 @@ int main(void) {
             expect("valid_call_without_driver",
                    flashtile_attention_forward(&a, bytes ? FAKE_WORKSPACE : NULL, bytes, NULL), FLASHTILE_ERROR_CUDA,
                    -1, "libcuda");
+            flashtile_kvcache_args kv = kv_baseline();
+            kv.num_splits = 0; /* automatic: the workspace query asks the device */
+            expect("kvcache_auto_splits_without_driver", flashtile_kvcache_forward_workspace_size(&kv, &bytes),
+                   FLASHTILE_ERROR_CUDA, -1, "libcuda");
         }
     }
 

@@ -1,13 +1,13 @@
-/* The public calls (flashtile.h): check every argument, pick the exported entry the Python
- * dispatcher would pick (the config for the call's longest key length), lay out the workspace, fill
- * the call struct the generated launchers read, launch. */
+/* The attention calls (flashtile.h: forward, backward, their workspace queries): check every
+ * argument, pick the exported entry the Python dispatcher would pick (the config for the call's
+ * longest key length), lay out the workspace, fill the call struct the generated launchers read,
+ * launch. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "runtime.h"
 
-#define WORKSPACE_ALIGN 256
 
 void flashtile_attention_args_init(flashtile_attention_args *args) {
     if (!args)
@@ -19,59 +19,13 @@ void flashtile_attention_args_init(flashtile_attention_args *args) {
     args->window_right = -1;
 }
 
-static int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
-/* hinted: the head dim is a multiple of 16, and the kernels were compiled for strides that are too. */
-static flashtile_status check_tensor(const char *name, const flashtile_tensor *t, int varlen, int hinted) {
-    if (t->data == NULL)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "%s.data is NULL", name);
-    if (!aligned16(t->data))
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                       "%s.data = %p is not 16-byte aligned (the kernels load tiles with the TMA copy engine)", name,
-                       t->data);
-    const int64_t strides[3] = {varlen ? 0 : t->batch_stride, t->row_stride, t->head_stride};
-    const char *names[3] = {"batch_stride", "row_stride", "head_stride"};
-    for (int i = 0; i < 3; i++) {
-        if (strides[i] < 0 || (hinted && strides[i] % 16 != 0))
-            return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                           "%s.%s = %lld: expected a non-negative stride%s (the head dim itself is contiguous)", name,
-                           names[i], (long long)strides[i],
-                           hinted ? " that is a multiple of 16 elements, as every layout of a head dim that is a "
-                                    "multiple of 16 has"
-                                  : "");
-    }
-    return FLASHTILE_SUCCESS;
-}
-
-static void head_dim_list(char *out, size_t size, const int *list, int n) {
-    size_t used = 0;
-    out[0] = '\0';
-    for (int i = 0; i < n && used < size; i++)
-        used += (size_t)snprintf(out + used, size - used, i ? ", %d" : "%d", list[i]);
-}
-
-static const char *dtype_name(int dtype) { return dtype == FLASHTILE_FLOAT16 ? "fp16" : "bf16"; }
-
 /* The exported entry for this call, or an error that says what to export. */
-/* The score options of a call (FT_LEFT, ...) and whether the config tables see it as causal. */
-static int call_options(const flashtile_attention_args *a, int *table_causal) {
-    int right = a->causal ? 0 : a->window_right;
-    int options = (a->window_left >= 0 ? FT_LEFT : 0) | (right >= 0 ? FT_RIGHT : 0) |
-                  (a->softcap > 0.0f ? FT_SOFTCAP : 0) | (a->alibi_slopes ? FT_ALIBI : 0);
-    *table_causal = a->window_left < 0 && right == 0;
-    return options;
-}
-
-static void option_names(char *out, size_t size, int options, int causal) {
-    snprintf(out, size, "%s%s%s", causal ? "causal" : (options & (FT_LEFT | FT_RIGHT)) ? "sliding-window" : "full",
-             options & FT_SOFTCAP ? " softcapped" : "", options & FT_ALIBI ? " ALiBi" : "");
-}
-
 static flashtile_status find_entry(int direction, const flashtile_attention_args *a, int varlen, int64_t max_seqlen_k,
                                    const ft_entry **entry) {
     int direction_seen = 0, dtype_seen = 0, head_dim_seen = 0, layout_seen = 0, options_seen = 0;
     int table_causal;
-    const int options = call_options(a, &table_causal);
+    const int options = ft_call_options(a->causal, a->window_left, a->window_right, a->softcap, a->alibi_slopes,
+                                        &table_causal);
     const int decode = varlen && a->max_seqlen_q <= ft_decode_max_rows;
     for (int i = 0; i < ft_entry_count; i++) {
         const ft_entry *e = &ft_entries[i];
@@ -103,10 +57,10 @@ static flashtile_status find_entry(int direction, const flashtile_attention_args
                        what, how);
     if (!dtype_seen)
         return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED, "dtype %s was not exported in this build: %s",
-                       dtype_name(a->dtype), how);
+                       ft_dtype_name(a->dtype), how);
     if (!head_dim_seen) {
         char list[128];
-        head_dim_list(list, sizeof list, ft_head_dims, ft_head_dim_count);
+        ft_head_dim_list(list, sizeof list, ft_head_dims, ft_head_dim_count);
         return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
                        "head_dim %d was not exported in this build (it holds head dims %s): %s", a->head_dim, list, how);
     }
@@ -115,17 +69,15 @@ static flashtile_status find_entry(int direction, const flashtile_attention_args
                        "packed (varlen) batches were not exported in this build (cu_seqlens_q is set): %s "
                        "(features must include varlen)", how);
     char names[96];
-    option_names(names, sizeof names, options, table_causal);
+    ft_option_names(names, sizeof names, options, table_causal);
     if (!options_seen)
         return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED,
                        "%s attention (window_left / window_right, softcap, alibi_slopes) was not exported in this "
                        "build: export with --features including window, softcap and / or alibi",
                        names);
     return ft_fail(FLASHTILE_ERROR_NOT_EXPORTED, "no exported kernel serves %s %s head dim %d %s with %lld keys", what,
-                   dtype_name(a->dtype), a->head_dim, names, (long long)max_seqlen_k);
+                   ft_dtype_name(a->dtype), a->head_dim, names, (long long)max_seqlen_k);
 }
-
-static size_t align_up(size_t n) { return (n + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN; }
 
 /* Checks everything the host can check and fills the call struct (pointers into the workspace
  * excepted); *lse_bytes etc. tell the workspace layout. */
@@ -135,50 +87,22 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
     ft_clear_error();
     if (a == NULL)
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "args is NULL");
-    if (a->struct_size != (int)sizeof *a)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                       "args->struct_size is %d, expected %d: initialise args with flashtile_attention_args_init() "
-                       "(and build against this library's flashtile.h)",
-                       a->struct_size, (int)sizeof *a);
-    if (a->dtype != FLASHTILE_FLOAT16 && a->dtype != FLASHTILE_BFLOAT16)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "dtype %d: expected FLASHTILE_FLOAT16 or FLASHTILE_BFLOAT16",
-                       (int)a->dtype);
+    FT_TRY(ft_check_struct(a->struct_size, (int)sizeof *a, "flashtile_attention_args_init", (int)a->dtype));
     const int varlen = a->cu_seqlens_q != NULL || a->cu_seqlens_k != NULL;
     if (a->batch < 1 || a->seqlen_q < 1 || a->seqlen_k < 1 || a->nheads < 1 || a->nheads_k < 1 || a->head_dim < 1)
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
                        "batch %d, seqlen_q %d, seqlen_k %d, nheads %d, nheads_k %d, head_dim %d: each must be at least 1",
                        a->batch, a->seqlen_q, a->seqlen_k, a->nheads, a->nheads_k, a->head_dim);
-    if (a->nheads % a->nheads_k != 0)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                       "nheads %d is not a multiple of nheads_k %d (GQA / MQA: each key/value head serves a whole "
-                       "group of query heads)",
-                       a->nheads, a->nheads_k);
-    if (a->head_dim > 256)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "head_dim %d: flashtile takes head dims up to 256", a->head_dim);
-    if (a->window_left < -1 || a->window_right < -1)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                       "window_left %d, window_right %d: each side is -1 (unbounded) or a number of keys",
-                       a->window_left, a->window_right);
-    if (!(a->softcap >= 0.0f) || isinf(a->softcap))
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "softcap %g: expected 0 (off) or a positive finite cap",
-                       (double)a->softcap);
-    if (a->alibi_slopes != NULL && !aligned16(a->alibi_slopes))
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "alibi_slopes is not 16-byte aligned");
-    if (a->alibi_slopes != NULL && a->alibi_batch_stride != 0 && a->alibi_batch_stride < a->nheads)
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                       "alibi_batch_stride %lld: 0 for (nheads,) slopes, else at least nheads (%d) for (batch, nheads)",
-                       (long long)a->alibi_batch_stride, a->nheads);
-    if (!(a->softmax_scale >= 0.0f) || isinf(a->softmax_scale))
-        return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
-                       "softmax_scale %g: expected a positive finite scale, or 0 for 1 / sqrt(head_dim)",
-                       (double)a->softmax_scale);
+    FT_TRY(ft_check_heads(a->nheads, a->nheads_k, a->head_dim));
+    FT_TRY(ft_check_score_options(a->window_left, a->window_right, a->softcap, a->alibi_slopes, a->alibi_batch_stride,
+                                  a->nheads, a->softmax_scale));
     if (varlen) {
         if (a->cu_seqlens_q == NULL || a->cu_seqlens_k == NULL)
             return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "%s is NULL: packed batches take both cu_seqlens_q and "
                            "cu_seqlens_k", a->cu_seqlens_q == NULL ? "cu_seqlens_q" : "cu_seqlens_k");
-        if (!aligned16(a->cu_seqlens_q) || !aligned16(a->cu_seqlens_k))
+        if (!ft_aligned16(a->cu_seqlens_q) || !ft_aligned16(a->cu_seqlens_k))
             return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "%s is not 16-byte aligned",
-                           aligned16(a->cu_seqlens_q) ? "cu_seqlens_k" : "cu_seqlens_q");
+                           ft_aligned16(a->cu_seqlens_q) ? "cu_seqlens_k" : "cu_seqlens_q");
         if (a->max_seqlen_q < 1 || a->max_seqlen_q > a->seqlen_q)
             return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT,
                            "max_seqlen_q %d: expected the longest query sequence, 1 to seqlen_q (%d, the packed total)",
@@ -191,8 +115,8 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
     const flashtile_tensor *tensors[4] = {&a->q, &a->k, &a->v, &a->out};
     const char *names[4] = {"q", "k", "v", "out"};
     for (int i = 0; i < 4; i++)
-        FT_TRY(check_tensor(names[i], tensors[i], varlen, a->head_dim % 16 == 0));
-    if (a->softmax_lse != NULL && !aligned16(a->softmax_lse))
+        FT_TRY(ft_check_tensor(names[i], tensors[i], varlen, a->head_dim % 16 == 0));
+    if (a->softmax_lse != NULL && !ft_aligned16(a->softmax_lse))
         return ft_fail(FLASHTILE_ERROR_INVALID_ARGUMENT, "softmax_lse is not 16-byte aligned");
     if (direction == FT_BACKWARD) {
         if (need_grads && g == NULL)
@@ -205,7 +129,7 @@ static flashtile_status prepare(int direction, const flashtile_attention_args *a
         const flashtile_tensor *grads[4] = {&g->dout, &g->dq, &g->dk, &g->dv};
         const char *grad_names[4] = {"grads->dout", "grads->dq", "grads->dk", "grads->dv"};
         for (int i = 0; i < 4; i++)
-            FT_TRY(check_tensor(grad_names[i], grads[i], varlen, a->head_dim % 16 == 0));
+            FT_TRY(ft_check_tensor(grad_names[i], grads[i], varlen, a->head_dim % 16 == 0));
     }
 
     memset(c, 0, sizeof *c);
@@ -262,28 +186,16 @@ static workspace_layout layout_of(int direction, const flashtile_attention_args 
                                   const ft_entry *e) {
     workspace_layout w = {0, 0, 0, 0, 0};
     if (direction == FT_FORWARD) {
-        w.total = a->softmax_lse ? 0 : align_up((size_t)(c->batch * c->nheads * c->rows_q) * 4);
+        w.total = a->softmax_lse ? 0 : ft_align_up((size_t)(c->batch * c->nheads * c->rows_q) * 4);
         return w;
     }
-    size_t rows = align_up((size_t)(2 * c->batch * c->nheads * c->row_stride) * 4);
-    size_t acc = e->needs_accumulator ? align_up((size_t)(c->batch * c->rows_q * c->nheads * c->head_dim) * 4) : 0;
+    size_t rows = ft_align_up((size_t)(2 * c->batch * c->nheads * c->row_stride) * 4);
+    size_t acc = e->needs_accumulator ? ft_align_up((size_t)(c->batch * c->rows_q * c->nheads * c->head_dim) * 4) : 0;
     w.rows = 0;
     w.dq_acc = rows;
     w.counts = rows + acc;
-    w.total = rows + acc + (e->needs_counts ? align_up((size_t)(c->batch * c->nheads_k) * 4) : 0);
+    w.total = rows + acc + (e->needs_counts ? ft_align_up((size_t)(c->batch * c->nheads_k) * 4) : 0);
     return w;
-}
-
-static flashtile_status check_workspace(void *workspace, size_t bytes, size_t needed) {
-    if (needed == 0)
-        return FLASHTILE_SUCCESS;
-    if (workspace == NULL || bytes < needed)
-        return ft_fail(FLASHTILE_ERROR_WORKSPACE,
-                       "workspace of %zu bytes at %p: this call needs %zu bytes (ask the *_workspace_size function)",
-                       bytes, workspace, needed);
-    if (((uintptr_t)workspace % WORKSPACE_ALIGN) != 0)
-        return ft_fail(FLASHTILE_ERROR_WORKSPACE, "workspace %p is not %d-byte aligned", workspace, WORKSPACE_ALIGN);
-    return FLASHTILE_SUCCESS;
 }
 
 static flashtile_status workspace_size(int direction, const flashtile_attention_args *a, size_t *bytes) {
@@ -310,7 +222,7 @@ flashtile_status flashtile_attention_forward(const flashtile_attention_args *arg
     const ft_entry *e;
     FT_TRY(prepare(FT_FORWARD, args, NULL, 1, &c, &e));
     workspace_layout w = layout_of(FT_FORWARD, args, &c, e);
-    FT_TRY(check_workspace(workspace, workspace_bytes, w.total));
+    FT_TRY(ft_check_workspace(workspace, workspace_bytes, w.total));
     if (args->softmax_lse == NULL)
         c.lse = (CUdeviceptr)workspace;
     int sm_count;
@@ -326,7 +238,7 @@ flashtile_status flashtile_attention_backward(const flashtile_attention_args *ar
     const ft_entry *e;
     FT_TRY(prepare(FT_BACKWARD, args, grads, 1, &c, &e));
     workspace_layout w = layout_of(FT_BACKWARD, args, &c, e);
-    FT_TRY(check_workspace(workspace, workspace_bytes, w.total));
+    FT_TRY(ft_check_workspace(workspace, workspace_bytes, w.total));
     CUdeviceptr base = (CUdeviceptr)workspace;
     c.delta = base + w.rows;
     c.lse_log2 = base + w.rows + (CUdeviceptr)(c.batch * c.nheads * c.row_stride) * 4;

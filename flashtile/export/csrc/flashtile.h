@@ -114,6 +114,57 @@ FLASHTILE_API flashtile_status flashtile_attention_backward(const flashtile_atte
                                               const flashtile_attention_grads *grads, void *workspace,
                                               size_t workspace_bytes, flashtile_stream_t stream);
 
+/* The kv-cache call (flash_attn_with_kvcache): the new tokens of each sequence, if any, are written
+ * into a paged cache in place at positions cache_seqlens[b] ..., then the queries attend to keys
+ * 0 .. cache_seqlens[b] + seqlen_new - 1 of their sequence (causal and windows aligned to that end).
+ * Export with --features kvcache (and --page-sizes). A contiguous cache (batch, capacity, nheads_k,
+ * head_dim) is a paged one: pages of page_size rows (capacity a multiple of it, batch_stride ==
+ * capacity * row_stride) with block_table[b][j] = b * (capacity / page_size) + j. */
+typedef struct flashtile_kvcache_args {
+    int struct_size;        /* sizeof(flashtile_kvcache_args), set by _init */
+    flashtile_dtype dtype;  /* of q, out, the caches and the new tokens */
+    int batch;              /* sequences */
+    int seqlen_q;           /* query rows per sequence (1 when decoding) */
+    int nheads, nheads_k, head_dim;
+    flashtile_tensor q, out; /* (batch, seqlen_q, nheads, head_dim) */
+    /* The caches, (num_pages, page_size, nheads_k, head_dim) each; batch_stride is the page stride. */
+    flashtile_tensor k_cache, v_cache;
+    int num_pages;
+    int page_size;          /* rows per page: one of the exported page sizes */
+    /* int32 (batch, max_pages_per_seq) device array: the pages of each sequence, in order; rows
+     * block_table_stride apart (0: max_pages_per_seq). Page numbers outside 0 .. num_pages - 1 are
+     * clamped (a wrong answer, never an access outside the cache). */
+    const int32_t *block_table;
+    int max_pages_per_seq;
+    int64_t block_table_stride;
+    /* int32 (batch,) device array: tokens already in each sequence's cache. New tokens that would
+     * land past max_pages_per_seq * page_size are dropped, and attention reads no further. */
+    const int32_t *cache_seqlens;
+    /* Optional new tokens, (batch, seqlen_new, nheads_k, head_dim) each; k_new.data NULL: none. */
+    flashtile_tensor k_new, v_new;
+    int seqlen_new;
+    float *softmax_lse;     /* (batch, nheads, seqlen_q) float32 contiguous, or NULL */
+    float softmax_scale;    /* 0: 1 / sqrt(head_dim) */
+    int causal;
+    int window_left, window_right; /* -1: unbounded */
+    float softcap;
+    const float *alibi_slopes; /* NULL, (nheads,) or (batch, nheads) float32 */
+    int64_t alibi_batch_stride;
+    /* Programs that share each sequence's keys (split-KV), merged by their logsumexp: 0 picks from
+     * the shape and the device's multiprocessors (as the Python API does), 1 turns splitting off. */
+    int num_splits;
+} flashtile_kvcache_args;
+
+/* Defaults: no new tokens, no mask, default scale, automatic splits; struct_size set. */
+FLASHTILE_API void flashtile_kvcache_args_init(flashtile_kvcache_args *args);
+
+/* The workspace the call takes (with num_splits 0 it depends on the current device). */
+FLASHTILE_API flashtile_status flashtile_kvcache_forward_workspace_size(const flashtile_kvcache_args *args,
+                                                                        size_t *bytes);
+/* k_cache, v_cache <- the new tokens appended; out (and softmax_lse) <- attention over the cache. */
+FLASHTILE_API flashtile_status flashtile_kvcache_forward(const flashtile_kvcache_args *args, void *workspace,
+                                                         size_t workspace_bytes, flashtile_stream_t stream);
+
 /* A short name of a status ("invalid argument", ...). */
 FLASHTILE_API const char *flashtile_status_string(flashtile_status status);
 

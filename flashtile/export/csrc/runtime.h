@@ -17,8 +17,12 @@ typedef struct ft_call {
     int64_t window_left, window_right, alibi_sb; /* window sides at least 0; ALiBi slopes' batch stride */
     int64_t q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
     int64_t do_sb, do_ss, do_sh, dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
+    /* The kv-cache call: k / v are the paged caches (k_sb the page stride), kn / vn the new tokens. */
+    int64_t seqlen_new, page_size, num_pages, seq_pages, bt_sb, n_splits, keys_per_split;
+    int64_t kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh;
     double softmax_scale, softcap;
     CUdeviceptr q, k, v, o, lse, dout, dq, dk, dv, cu_q, cu_k, delta, lse_log2, dq_acc, counts, alibi;
+    CUdeviceptr knew, vnew, cache_seqlens, seqused, block_table, o_part, lse_part;
 } ft_call;
 
 /* One embedded kernel. */
@@ -30,7 +34,8 @@ typedef struct ft_kernel {
     int threads;
 } ft_kernel;
 
-enum { FT_FORWARD = 0, FT_BACKWARD = 1 };
+/* Entry directions: the attention calls, the kv-cache call's forward and its cache update. */
+enum { FT_FORWARD = 0, FT_BACKWARD = 1, FT_KVCACHE = 2, FT_KVCACHE_UPDATE = 3 };
 /* Score options (bits of ft_entry.options; entries.OPTIONS in Python). Causal is the right side of
  * the window at 0. */
 enum { FT_LEFT = 1, FT_RIGHT = 2, FT_SOFTCAP = 4, FT_ALIBI = 8 };
@@ -51,6 +56,9 @@ typedef struct ft_entry {
     int64_t max_seqlen_k;
     int needs_counts;       /* the int32 (batch, nheads_k) counts in the workspace */
     int needs_accumulator;  /* the float32 dQ accumulator in the workspace (the Hopper backward) */
+    int page_size;          /* kv-cache forwards: the cache's page size */
+    int split;              /* kv-cache forwards: split-KV (partial results in the workspace, then merged) */
+    int block_n;            /* kv-cache forwards: keys per tile (each split's keys are a multiple) */
     flashtile_status (*launch)(const ft_call *call, CUstream stream);
     const char *name;
 } ft_entry;
@@ -77,6 +85,28 @@ static inline int64_t MAX(int64_t a, int64_t b) { return a > b ? a : b; }
         if (ft_status_ != FLASHTILE_SUCCESS)           \
             return ft_status_;                         \
     } while (0)
+
+/* Argument checks and helpers the public calls share (checks.c). */
+#define WORKSPACE_ALIGN 256
+static inline int ft_aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+/* The args struct's size (set by init, the function named) and its dtype. */
+flashtile_status ft_check_struct(int struct_size, int expected, const char *init, int dtype);
+/* nheads a multiple of nheads_k, head_dim at most 256 (all of them already checked >= 1). */
+flashtile_status ft_check_heads(int nheads, int nheads_k, int head_dim);
+/* A (batch, seqlen, heads, head_dim) tensor: data set and 16-byte aligned, strides non-negative and,
+ * when hinted (head dims that are multiples of 16: the kernels were compiled for it), multiples of
+ * 16; the batch stride is not checked for packed batches (varlen). */
+flashtile_status ft_check_tensor(const char *name, const flashtile_tensor *t, int varlen, int hinted);
+flashtile_status ft_check_score_options(int window_left, int window_right, float softcap, const float *alibi_slopes,
+                                        int64_t alibi_batch_stride, int nheads, float softmax_scale);
+/* The score options of a call (FT_LEFT, ...) and whether the config tables see it as causal. */
+int ft_call_options(int causal, int window_left, int window_right, float softcap, const void *alibi_slopes,
+                    int *table_causal);
+void ft_option_names(char *out, size_t size, int options, int causal);
+void ft_head_dim_list(char *out, size_t size, const int *list, int n);
+const char *ft_dtype_name(int dtype);
+size_t ft_align_up(size_t n);
+flashtile_status ft_check_workspace(void *workspace, size_t bytes, size_t needed);
 
 /* Records this thread's error message (printf-style) and returns status. */
 flashtile_status ft_fail(flashtile_status status, const char *format, ...);

@@ -3,7 +3,10 @@ queries, and the new keys and values written into the (paged) cache in place.
 
 One program per (token, head, sequence). A program whose token is a new key (t < seqlen_new) and
 whose head is a kv head rotates that key and writes it and its value at cache position
-cache_seqlens[b] + t; a program whose token is a query rotates it into QOut. Positions: a new
+cache_seqlens[b] + t, if that position is inside the sequence's seq_pages pages (a key that does
+not fit is dropped: never written into another sequence's page); a program whose token is a query
+rotates it into QOut. Program (0, 0, b) also writes the keys sequence b then holds,
+cache_seqlens[b] + seqlen_new, into SeqUsedK (the forward's bound, with no extra launch). Positions: a new
 key t sits at cache_seqlens + t; a query at cache_seqlens + t when causal or local, otherwise
 at cache_seqlens (flash_attn's rule). Rotary: the first 2 * ROTARY_HALF channels turn, pairs
 (2i, 2i + 1) when INTERLEAVED, else (i, i + ROTARY_HALF); the other channels are copied.
@@ -42,11 +45,11 @@ def _rotate_row(src, dst, Cos, Sin, stride_cos, position, HEAD_DIM: tl.constexpr
 
 @triton.jit
 def kvcache_update_kernel(
-    Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, BlockTable,
+    Q, QOut, K, V, KCache, VCache, Cos, Sin, CacheSeqlens, BlockTable, SeqUsedK,
     stride_qb, stride_qs, stride_qh, stride_qob, stride_qos, stride_qoh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
-    stride_cos, stride_bt, seqlen_q, seqlen_new, nheads, nheads_k, page_size, num_pages,
+    stride_cos, stride_bt, seqlen_q, seqlen_new, nheads, nheads_k, page_size, num_pages, seq_pages,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY_HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr, QUERY_PER_STEP: tl.constexpr,
 ):
@@ -54,8 +57,10 @@ def kvcache_update_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     start = tl.load(CacheSeqlens + b)
-    if (t < seqlen_new) & (h < nheads_k):
-        position = start + t
+    if (t == 0) & (h == 0):
+        tl.store(SeqUsedK + b, start + seqlen_new)
+    position = start + t
+    if (t < seqlen_new) & (h < nheads_k) & (position >= 0) & (position < seq_pages * page_size):
         page = tl.load(BlockTable + b.to(tl.int64) * stride_bt + position // page_size)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
         row = (position % page_size).to(tl.int64)

@@ -137,10 +137,11 @@ class SplitForward:
     float32 partial outputs and logsumexps (allocated per call), the combine kernel merges them.
     With one split left (too few keys), the plain portable forward."""
 
-    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int):
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int, cfg=None):
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
-        cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k,
-                         q.dtype)
+        if cfg is None:  # the dispatcher's choice (an explicit one: the C export's captures)
+            cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal,
+                             max_seqlen_k, q.dtype)
         split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
         keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
         num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
@@ -305,23 +306,25 @@ _KVCACHE_UPDATE_PLANS = PlanCache()
 
 
 def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
-                          interleaved: bool, query_per_step: bool) -> torch.Tensor:
+                          interleaved: bool, query_per_step: bool) -> tuple:
     """Rotary on q and the new k, and the new k, v written into the paged cache (k_cache: (pages,
     page_size, hk, d); a contiguous cache is a pool of one page per sequence) at positions
-    cache_seqlens[b] + t, in one launch. Returns q rotated (a new tensor), or q itself without
-    rotary tables."""
+    cache_seqlens[b] + t, in one launch. Returns (q rotated (a new tensor), or q itself without
+    rotary tables; the keys each sequence holds now, cache_seqlens + seqlen_new, an int32 (batch,)
+    tensor: the launch writes it, or without a launch it is cache_seqlens itself)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_new = 0 if k is None else k.shape[1]
     rotary_half = 0 if rotary_cos is None else rotary_cos.shape[1]
     rows = max(seqlen_new, seqlen_q if rotary_half else 0)
     if rows == 0 or batch == 0:
-        return q
+        return q, cache_seqlens
     q_out = q if rotary_half == 0 else torch.empty_like(q)
+    seqused_k = torch.empty_like(cache_seqlens)
     if rotary_half:
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     if k is None:  # rotary on the queries alone: the key side of the kernel does nothing
         k = v = torch.empty((batch, 0, k_cache.shape[2], head_dim), dtype=q.dtype, device=q.device)
-    tensors = (q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)
+    tensors = (q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table, seqused_k)
     key = None
     if q.is_cuda and plans_enabled():
         key = (q.device, bool(interleaved), bool(query_per_step), *(tensor_signature(t) for t in tensors))
@@ -333,10 +336,12 @@ def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cac
              k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
              v_cache.stride(2), 0 if rotary_cos is None else rotary_cos.stride(0), block_table.stride(0),
-             seqlen_q, seqlen_new, nheads, k_cache.shape[2], k_cache.shape[1], k_cache.shape[0]),
+             seqlen_q, seqlen_new, nheads, k_cache.shape[2], k_cache.shape[1], k_cache.shape[0],
+             block_table.shape[1]),
             dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), ROTARY_HALF=rotary_half,
                  BLOCK_HALF=max(triton.next_power_of_2(max(rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
                  QUERY_PER_STEP=bool(query_per_step)),
-            slots=("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin", "CacheSeqlens", "BlockTable"))
+            slots=("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin", "CacheSeqlens", "BlockTable",
+                   "SeqUsedK"))
     _KVCACHE_UPDATE_PLANS.get_or_make(key, make)(*tensors)
-    return q_out
+    return q_out, seqused_k
