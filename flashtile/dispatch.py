@@ -96,6 +96,8 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         return None, f"{_options_off_hopper(params)}: the Hopper kernels take plain or causal attention only"
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
+    if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
+        return None, "a side without cu_seqlens (the decode layout): the Hopper kernels read packed sequences only"
     if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):
         # The Gluon kernels read whole tiles past a sequence's end and mask them; slots past
         # seqused may hold anything (NaN * 0 is NaN), so those go to the portable kernels, which do
@@ -149,9 +151,117 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     plan(q, k, v, out, lse, params, seqs)
 
 
+def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[str]:
+    """Why a call runs as decoding (DecodeForward), or None. The rule: at most DECODE_MAX_ROWS query
+    rows per sequence (decoding, speculative decoding), dense or packed, keys present, no dropout.
+    Such calls spend their time streaming K and V, which a 128-row Hopper tile would read with most
+    of its rows idle; the decode kernel's 16-row tiles, GQA heads as rows and split-KV keep every
+    multiprocessor reading."""
+    if params.dropout_p > 0.0 or k.shape[1] == 0:
+        return None
+    if seqs is None:
+        rows = q.shape[1]
+    elif seqs.paged or seqs.cu_seqlens_q is None or seqs.seqused_q is not None:
+        return None  # kv caches take this path through kvcache_attention already
+    else:
+        rows = seqs.max_seqlen_q
+    if rows > DECODE_MAX_ROWS or rows < 1:
+        return None
+    return (f"{rows} query row{'s' * (rows > 1)} per sequence (at most {DECODE_MAX_ROWS}): the decode kernels, "
+            "split-KV" + (", GQA heads as rows" if _rows_from_heads(q, k, params, seqs) else ""))
+
+
+def _rows_from_heads(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> bool:
+    """Whether the query heads of each GQA group can run as the rows of their kv head: one query per
+    sequence (it sees every key, whatever the right side of the window), no left window, no ALiBi
+    (its slopes are per query head). Packed calls qualify when every sequence has exactly one query
+    (total rows == sequences, each at most one)."""
+    if q.shape[2] == k.shape[2] or params.window_left >= 0 or params.alibi_slopes is not None:
+        return False
+    if seqs is None:
+        return q.shape[1] == 1
+    return seqs.max_seqlen_q == 1 and q.shape[1] == seqs.batch
+
+
+def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tuple[str, bool]:
+    """(config family, pack_gqa) of a decode-shaped call: with several query rows and GQA (no ALiBi)
+    the group's heads share tiles (the kernel's PACK_GQA); the decode tile (16 rows) while the rows
+    fit one, the prefill tile above (16 rows x 4 heads: one 128-row tile, not four)."""
+    rows = q.shape[1] if seqs is None else seqs.max_seqlen_q
+    group = q.shape[2] // k.shape[2]
+    pack = not _rows_from_heads(q, k, params, seqs) and group > 1 and params.alibi_slopes is None
+    return (FWD_DECODE if rows * (group if pack else 1) <= DECODE_MAX_ROWS else FWD), pack
+
+
+def heads_as_rows(q, out, lse, nheads_k: int) -> tuple:
+    """(q, out, lse) of a call of one query per sequence, (b, 1, h, d) and (b, h, 1), as views whose
+    rows are the query heads of one kv head: (b, group, hk, d) and (b, hk, group). Row g of kv head
+    hk is query head hk * group + g. The views start where the tensors do (same data pointers)."""
+    group = q.shape[2] // nheads_k
+    q_rows, out_rows = (t[:, 0].unflatten(1, (nheads_k, group)).transpose(1, 2) for t in (q, out))
+    return q_rows, out_rows, lse[:, :, 0].unflatten(1, (nheads_k, group))
+
+
+class DecodeForward:
+    """attention_forward for a decode-shaped call (decode_route) of one signature: the portable
+    forward with the decode config, split-KV with the count _auto_splits picks, the query heads of
+    a GQA group sharing tiles (one query: as the rows of a view; more: the kernel's PACK_GQA). A dense call runs as a batch of sequences of (rows, keys); a packed call of
+    one query per sequence sees its queries as a (batch, 1, h, d) tensor and keeps its packed keys
+    (cu_seqlens_k); other packed calls keep their layout. The inner plans are built on views that
+    start where the tensors do, so later calls pass the tensors themselves."""
+
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], num_splits: int = 0):
+        self.as_rows = _rows_from_heads(q, k, params, seqs)
+        kernel, pack = decode_kernel(q, k, params, seqs)
+        self.one_query_each = seqs is not None and seqs.max_seqlen_q == 1 and q.shape[1] == seqs.batch
+        # Packed lse is (1, h, total): as rows, a kv head's query heads would lie `total` floats apart,
+        # and the kernels write a tile's rows contiguously. They write a (batch, h, 1) buffer instead,
+        # copied into place after.
+        self.lse_buffer = self.one_query_each and self.as_rows
+        if self.one_query_each:  # (1, total = batch, h, d) -> (batch, 1, h, d)
+            q, out = q[0][:, None], out[0][:, None]
+            lse = empty((q.shape[0], q.shape[2], 1), torch.float32, q.device) if self.lse_buffer else \
+                lse[0].t()[:, :, None]
+        if self.as_rows:
+            q, out, lse = heads_as_rows(q, out, lse, k.shape[2])
+            params = ScoreParams(softmax_scale=params.softmax_scale, softcap=params.softcap)
+        if seqs is None or self.one_query_each:
+            max_seqlen_k = k.shape[1] if seqs is None else seqs.max_seqlen_k
+            self.seqs = PackedSeqs(None, None if seqs is None else seqs.cu_seqlens_k, q.shape[1], max_seqlen_k,
+                                   seqused_k=None if seqs is None else seqs.seqused_k, dense_batch=q.shape[0])
+        else:
+            self.seqs = seqs
+        batch, rows, max_seqlen_k = grid_lengths(q, k, self.seqs)
+        heads = k.shape[2] if pack else q.shape[2]
+        tile_rows = rows * (q.shape[2] // k.shape[2] if pack else 1)
+        splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, q.device)
+        cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+        self.params = params
+        if splits > 1:
+            self.plan = SplitForward(q, k, v, out, lse, params, self.seqs, splits, cfg, pack_gqa=pack)
+        else:
+            self.plan = PortableForward(q, k, v, out, lse, params, cfg, self.seqs, pack_gqa=pack)
+
+    def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
+        decode_seqs = self.seqs
+        if self.one_query_each:  # this call's key prefix sums and used lengths
+            decode_seqs = PackedSeqs(None, seqs.cu_seqlens_k, 1, self.seqs.max_seqlen_k, seqused_k=seqs.seqused_k,
+                                     dense_batch=self.seqs.dense_batch)
+        elif seqs is not None:
+            decode_seqs = seqs
+        # The views start at the tensors' data pointers, which is all a launch reads of them. The
+        # options are this call's (the plan key holds their values; the ALiBi slopes are a tensor).
+        rows_lse = empty((q.shape[1], q.shape[2], 1), torch.float32, q.device) if self.lse_buffer else lse
+        self.plan(q, k, v, out, rows_lse, self.params if self.as_rows else params, decode_seqs)
+        if self.lse_buffer:
+            lse[0].copy_(rows_lse[:, :, 0].t())
+
+
 def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Callable:
     """The launch of attention_forward for this call's signature (configs chosen, autotuned if
     asked): a callable taking (q, k, v, out, lse, params, seqs)."""
+    if decode_route(q, k, params, seqs) is not None:
+        return DecodeForward(q, k, v, out, lse, params, seqs)
     _, _, max_seqlen_k = grid_lengths(q, k, seqs)
     gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None and (seqs is None or tma_aligned(out)):

@@ -13,7 +13,7 @@ import torch
 
 from . import autotune, checks, runtime
 from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config
-from .dispatch import forward_kernel, gluon_decision
+from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision
 from .options import PackedSeqs, grid_lengths, packed_seqs, resolve_options
 from .runtime import arch_of, interpreter_enabled
 from .varlen import _check_layout
@@ -165,11 +165,16 @@ def _not_cuda_reason(reason: str) -> str:
 
 def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -> PathChoice:
     """attention_forward's choice (kernels/launch.py, _forward_plan)."""
+    max_seqlen_k = grid_lengths(q, k, seqs)[2]
+    decode = decode_route(q, k, params, seqs)
+    if decode is not None:
+        cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, q.shape[-1], params.causal, max_seqlen_k,
+                         q.dtype)
+        return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, decode)
     gluon_cfg, reason = gluon_decision(FWD_GLUON, q, k, v, params, seqs, device_capability=hypothetical_capability,
                                        warn=False)
     if gluon_cfg is not None:
         return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], gluon_cfg, reason)
-    max_seqlen_k = grid_lengths(q, k, seqs)[2]
     cfg = get_config(forward_kernel(q, k, seqs), arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype)
     if hypothetical_capability is None and q.device.type != "cuda":
         reason = _not_cuda_reason(reason)

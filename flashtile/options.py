@@ -122,12 +122,16 @@ class PackedSeqs:
     # With block_table: optional int32 (batch,), the position of each sequence's first key in its
     # pages (a kv cache's left padding).
     key_shift: Optional[torch.Tensor] = None
+    # Without cu_seqlens and seqused (a dense batch run on the decode kernels): the sequences.
+    dense_batch: Optional[int] = None
 
     @property
     def batch(self) -> int:
         for prefix_sums in (self.cu_seqlens_q, self.cu_seqlens_k):
             if prefix_sums is not None:
                 return prefix_sums.shape[0] - 1
+        if self.seqused_k is None:
+            return self.dense_batch
         return self.seqused_k.shape[0]
 
     @property

@@ -228,7 +228,8 @@ def test_decode_smoke(tmp_path, capsys, monkeypatch):
                        "--out", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "decode.json").read_text())
     assert [(r["system"], r["seqlen_q"], r["ok"]) for r in document["records"]] == [
-        ("flashtile", 2, True), ("flashtile-paged", 2, True), ("sdpa", 2, True)]
+        ("flashtile", 2, True), ("flashtile-paged", 2, True), ("flashtile-func", 2, True),
+        ("flashtile-varlen", 2, True), ("sdpa", 2, True)]
     assert document["meta"]["causal"] is True and document["meta"]["anchors"]["fa4"].startswith("not available")
     assert "| 2 | 64 | 2 |" in (tmp_path / "decode.md").read_text()
     capsys.readouterr()

@@ -370,6 +370,9 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     out1, lse1 = _empty(1, 2, h, d, dtype=torch.float32), _empty(1, h, 2, dtype=torch.float32)
     cu1 = _ints([0, 1, 2])
     paged = PackedSeqs(cu, cu, 600, 600, block_table=table)
+    # Speculative decoding with GQA: 4 query rows, the group's heads packed into one tile's rows.
+    q4, k4 = _empty(2, 4, h, d, dtype=dtype), _empty(2, 600, max(h // 4, 1), d, dtype=dtype)
+    out4, lse4 = _empty(2, 4, h, d, dtype=torch.float32), _empty(2, h, 4, dtype=torch.float32)
     rows = [
         ("fwd/dense", "fwd", lambda: launch_forward(q, q, q, out, lse, params, cfg)),
         ("fwd/varlen", "fwd", lambda: launch_forward(qv, qv, qv, outv, lsev, params, cfg,
@@ -382,6 +385,9 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
             qv, pages, pages, outv, lsev, params, cfg, PackedSeqs(cu, cu, 600, 600, block_table=table,
                                                                   key_shift=_ints([0, 400])))),
         ("fwd/combine", "combine", lambda: attention_forward_split(qv, pages, pages, outv, lsev, params, paged, 3)),
+        ("fwd/decode-pack-gqa", "fwd", lambda: launch_forward(
+            q4, k4, k4, out4, lse4, params, dec, PackedSeqs(None, None, 4, 600, dense_batch=2),
+            splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True)),
     ]
     k1 = _empty(2, 1, max(h // 4, 1), d, dtype=dtype)
     cache = _empty(20, 32, max(h // 4, 1), d, dtype=dtype)

@@ -88,7 +88,7 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PACK_GQA: tl.constexpr = False,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
@@ -97,7 +97,11 @@ def attn_fwd_kernel(
     (batch,) int32 or None: where each sequence's keys start in its pages (left padding).
     SPLIT_KV (flash-decoding): program id 0 is query block * num_splits + split; each split folds
     keys [split * keys_per_split, + keys_per_split) and writes its normalised float32 output and
-    its lse to Out / Lse at split * split_stride_o / _lse, for combine.attn_combine_kernel."""
+    its lse to Out / Lse at split * split_stride_o / _lse, for combine.attn_combine_kernel.
+    PACK_GQA (decoding a few query rows with GQA; not with TMA, ALiBi or dropout): program id 1 is a
+    kv head, and the tile's rows are (query row, query head of its group) pairs, row r being query
+    r // head_group of head h_kv * head_group + r % head_group: the group's heads share each K and
+    V tile instead of reading it once per head."""
     split = 0
     pid_m = tl.program_id(0)
     if SPLIT_KV:
@@ -107,14 +111,17 @@ def attn_fwd_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     h_kv = h // head_group  # GQA: consecutive query heads share a kv head
+    if PACK_GQA:
+        h_kv = h
     dropout_row_len = seqlen_k
     total_q = seqlen_q
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(b, seqlen_q, seqlen_k, CuSeqlensQ, CuSeqlensK,
                                                            SeqUsedQ, SeqUsedK, IS_VARLEN)
+    packed_rows = seqlen_q * head_group if PACK_GQA else seqlen_q
     if IS_VARLEN:
         # The grid fits the longest sequence. (Dense grids are exact; an early return there
         # also breaks Triton's warp specialization of the key loop.)
-        if start_m >= seqlen_q:
+        if start_m >= packed_rows:
             return
     key_shift = 0
     if PAGE_SIZE > 0:
@@ -144,7 +151,19 @@ def attn_fwd_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_rows(q_src, b, h, start_m, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True, USE_TMA)
+    if PACK_GQA:
+        # Query positions and heads of the tile's rows; positions drive the masks from here on.
+        row_heads = (h_kv * head_group + rows % head_group).to(tl.int64)
+        rows = rows // head_group
+        start_q = start_m // head_group
+        in_tile = (start_m + tl.arange(0, BLOCK_M)) < packed_rows
+        row_offsets = rows.to(tl.int64) * stride_qs + row_heads * stride_qh
+        q_base = Q + b.to(tl.int64) * stride_qb + q_start * stride_qs
+        q = tl.load(q_base + row_offsets[:, None] + offs_d[None, :],
+                    mask=in_tile[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        start_q = start_m
+        q = load_rows(q_src, b, h, start_m, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True, USE_TMA)
 
     alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
     dropout_seed = 0
@@ -156,7 +175,9 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = band_block_range(start_m, seqlen_q, seqlen_k, diag, window_left, window_right,
+    # Packed rows span query positions start_q .. at most start_q + BLOCK_M - 1: a superset, so the
+    # blocks it calls unmasked are unmasked for every row and the rest get element masks.
+    lo, full_lo, full_hi, hi = band_block_range(start_q, seqlen_q, seqlen_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if SPLIT_KV:
         # This split's share of the band; sub-ranges keep their masked / unmasked kinds.
@@ -200,9 +221,20 @@ def attn_fwd_kernel(
         out = out.to(q.dtype)
     else:
         out = out.to(Out.dtype.element_ty)  # float32 partial results under SPLIT_KV
-    store_rows(o_dst, out, b, h, start_m, rows, offs_d, stride_os, seqlen_q,
-               HEAD_DIM, BLOCK_D, USE_TMA)
-    lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows
+    if PACK_GQA:
+        o_base = Out + b.to(tl.int64) * stride_ob + q_start * stride_os
+        if SPLIT_KV:
+            o_base += split.to(tl.int64) * split_stride_o
+        o_offsets = rows.to(tl.int64) * stride_os + row_heads * stride_oh
+        tl.store(o_base + o_offsets[:, None] + offs_d[None, :], out,
+                 mask=in_tile[:, None] & (offs_d[None, :] < HEAD_DIM))
+        lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + row_heads * stride_lse_h + q_start + rows
+        lse_mask = in_tile
+    else:
+        store_rows(o_dst, out, b, h, start_m, rows, offs_d, stride_os, seqlen_q,
+                   HEAD_DIM, BLOCK_D, USE_TMA)
+        lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows
+        lse_mask = rows < seqlen_q
     if SPLIT_KV:
         lse_ptrs += split.to(tl.int64) * split_stride_lse
-    tl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+    tl.store(lse_ptrs, lse, mask=lse_mask)

@@ -83,10 +83,11 @@ def forward_kernel(q, k, seqs: Optional[PackedSeqs]) -> str:
 
 
 def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
-                   splits: Optional[tuple] = None) -> None:
+                   splits: Optional[tuple] = None, pack_gqa: bool = False) -> None:
     """The portable forward with an explicit config (the autotuner times several). ``splits``:
-    (num_splits, keys_per_split, split stride of out, of lse) for attention_forward_split."""
-    PortableForward(q, k, v, out, lse, params, cfg, seqs, splits)(q, k, v, out, lse, params, seqs)
+    (num_splits, keys_per_split, split stride of out, of lse) for attention_forward_split;
+    ``pack_gqa``: a GQA group's query heads share each tile (decode-shaped calls)."""
+    PortableForward(q, k, v, out, lse, params, cfg, seqs, splits, pack_gqa)(q, k, v, out, lse, params, seqs)
 
 
 class PortableForward:
@@ -96,13 +97,16 @@ class PortableForward:
     alignment and scalar options (the plan key's job)."""
 
     def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
-                 splits: Optional[tuple] = None):
+                 splits: Optional[tuple] = None, pack_gqa: bool = False):
         batch, max_seqlen_q, _ = grid_lengths(q, k, seqs)
         nheads, head_dim = q.shape[2], q.shape[3]
+        if pack_gqa:  # tiles of (query row, head of the group) rows, one program column per kv head
+            max_seqlen_q, nheads = max_seqlen_q * (nheads // k.shape[2]), k.shape[2]
         block_d = padded_head_dim(head_dim)
         # Descriptors address (batch, row) tiles: dense only (a packed sequence's last tile would
         # be stored over the next sequence's rows).
-        use_tma = cfg.use_tma and seqs is None and splits is None and all(tma_aligned(t) for t in (q, k, v, out))
+        use_tma = (cfg.use_tma and seqs is None and splits is None and not pack_gqa
+                   and all(tma_aligned(t) for t in (q, k, v, out)))
         self.tiles = None
         if use_tma:
             rows = (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m)
@@ -119,7 +123,7 @@ class PortableForward:
                  split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
                  SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
                  WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 **cfg.launch_kwargs()),
+                 **({"PACK_GQA": True} if pack_gqa else {}), **cfg.launch_kwargs()),
             slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ",
                    "SeqUsedK", "BlockTable", "KeyShift"))
 
@@ -137,7 +141,8 @@ class SplitForward:
     float32 partial outputs and logsumexps (allocated per call), the combine kernel merges them.
     With one split left (too few keys), the plain portable forward."""
 
-    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int, cfg=None):
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int, cfg=None,
+                 pack_gqa: bool = False):
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
         if cfg is None:  # the dispatcher's choice (an explicit one: the C export's captures)
             cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal,
@@ -147,13 +152,14 @@ class SplitForward:
         num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
         self.combine = None
         if num_splits <= 1:
-            self.forward = PortableForward(q, k, v, out, lse, params, cfg, seqs)
+            self.forward = PortableForward(q, k, v, out, lse, params, cfg, seqs, pack_gqa=pack_gqa)
             return
         self.parts_shapes = ((num_splits,) + tuple(out.shape), (num_splits,) + tuple(lse.shape))
         # The layouts of the partial buffers each call allocates, without memory.
         out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device="meta") for shape in self.parts_shapes)
         self.forward = PortableForward(q, k, v, out_parts[0], lse_parts[0], params, cfg, seqs,
-                                       splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)))
+                                       splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)),
+                                       pack_gqa=pack_gqa)
         batch, rows, nheads, head_dim = out.shape
         block_r = 16
         self.combine = CompiledCall(

@@ -1,4 +1,6 @@
-"""``bench decode``: flash_attn_with_kvcache's bandwidth next to the copy bandwidth and the anchors.
+"""``bench decode``: decoding's bandwidth through flashtile's three entry points (flash_attn_with_kvcache
+on a contiguous and a paged cache, flash_attn_func and flash_attn_varlen_func on the contiguous
+cache) next to the copy bandwidth and the anchors.
 
 A few new queries per sequence (--seqlen-q, default 1; more is speculative decoding, causal and
 bottom-right aligned), 32 query heads over 8 KV heads, head dim 128, bf16, for batch 1..128 and
@@ -25,7 +27,11 @@ from .common import (fill_defaults, add_common_arguments, check_out_dir, check_s
 from .report import Table, geomean, render_text, save_plot, skipped_notes, write_markdown
 
 PROG = "python -m flashtile bench decode"
-LAYOUTS = ("contiguous", "paged")
+# flashtile's entry points: flash_attn_with_kvcache on a contiguous and on a paged cache, and the
+# dense and packed calls (flash_attn_func, flash_attn_varlen_func) that much serving code decodes with.
+LAYOUTS = ("contiguous", "paged", "func", "varlen")
+OWN_SYSTEMS = {"contiguous": "flashtile", "paged": "flashtile-paged", "func": "flashtile-func",
+               "varlen": "flashtile-varlen"}
 ANCHORS = {
     "sdpa": "torch SDPA, its own backend choice",
     "cudnn": "torch SDPA, CUDNN_ATTENTION backend",
@@ -128,16 +134,28 @@ def point_systems(names: list[str], q, k_cache, v_cache, seqlens, table, k_paged
     """{system: zero-argument call} for one point; the anchors read the contiguous cache."""
     from torch.nn.attention import SDPBackend
 
-    from flashtile import flash_attn_with_kvcache
+    from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
     calls = {
         "flashtile": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal),
         "flashtile-paged": lambda: flash_attn_with_kvcache(q, k_paged, v_paged, cache_seqlens=seqlens,
                                                            block_table=table, causal=causal),
+        "flashtile-func": lambda: flash_attn_func(q, k_cache, v_cache, causal=causal),
+    }
+    if "flashtile-varlen" in names:  # the packed views and prefix sums, made once per point
+        import torch
+
+        batch, seqlen_q, length = q.shape[0], q.shape[1], k_cache.shape[1]
+        cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
+        cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device=q.device) * length
+        q_packed, k_packed, v_packed = (t.flatten(0, 1) for t in (q, k_cache, v_cache))
+        calls["flashtile-varlen"] = lambda: flash_attn_varlen_func(
+            q_packed, k_packed, v_packed, cu_q, cu_k, seqlen_q, length, causal=causal).view(q.shape)
+    calls.update({
         "sdpa": lambda: sdpa(q, k_cache, v_cache, causal=causal),
         "cudnn": lambda: sdpa(q, k_cache, v_cache, SDPBackend.CUDNN_ATTENTION, causal),
         "fa2": lambda: sdpa(q, k_cache, v_cache, SDPBackend.FLASH_ATTENTION, causal),
-    }
+    })
     found = anchors.fa4()
     if found.available:
         calls["fa4"] = lambda: anchors.fa4_output(found.module.flash_attn_func(q, k_cache, v_cache, causal=causal))
@@ -145,7 +163,7 @@ def point_systems(names: list[str], q, k_cache, v_cache, seqlens, table, k_paged
 
 
 def system_names(layouts: list[str], anchor_names: list[str]) -> list[str]:
-    own = [{"contiguous": "flashtile", "paged": "flashtile-paged"}[layout] for layout in layouts]
+    own = [OWN_SYSTEMS[layout] for layout in layouts]
     return own + [name for name in anchor_names if name != "fa4" or anchors.fa4().available]
 
 
@@ -228,7 +246,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--headdim", type=int, default=None, help="head dim (default: 128)")
     add("--page", type=parse_size, default=None, help="page size of the paged cache (default: 256)")
     add("--layouts", type=choice_list(LAYOUTS), default=list(LAYOUTS),
-        help="flashtile's cache layouts: contiguous, paged (default: both)")
+        help="flashtile's entry points: contiguous and paged (flash_attn_with_kvcache), func "
+             "(flash_attn_func on the contiguous cache), varlen (flash_attn_varlen_func on it, packed) "
+             "(default: all)")
     add("--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: bf16; fp16 when smoke)")
     add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
         default=None, help="anchors timed in the same run: " + ", ".join(f"{k} ({v})" for k, v in ANCHORS.items())

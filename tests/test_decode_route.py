@@ -1,0 +1,97 @@
+"""Decode-shaped calls through flash_attn_func and flash_attn_varlen_func (dispatch.decode_route):
+at most DECODE_MAX_ROWS query rows per sequence run on the decode kernels, GQA heads as rows where
+they can, split-KV. Checked against the float64 reference (out, lse, and the backward that reads
+them), with splits forced where the interpreter would not choose them."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import dispatch
+from flashtile.configs import DECODE_MAX_ROWS
+from flashtile.options import PackedSeqs, ScoreParams
+from flashtile.reference import attention_naive
+
+from _cases import DEVICE, DTYPES, check_against_reference, make_qkv, randn
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, nheads_k, causal, window", [
+    (1, 1, 8, 2, True, (-1, -1)), (1, 300, 8, 2, True, (-1, -1)), (1, 300, 6, 1, False, (-1, -1)),
+    (1, 113, 4, 4, True, (32, -1)), (4, 113, 8, 2, True, (-1, -1)), (16, 300, 4, 4, False, (-1, -1)),
+    (16, 37, 6, 1, True, (8, 0)), (1, 1023, 8, 2, False, (-1, 3)),
+])
+def test_dense_decode_shapes(seqlen_q, seqlen_k, nheads, nheads_k, causal, window):
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype)
+    params = ScoreParams(softmax_scale=0.125, window_left=window[0], window_right=0 if causal else window[1])
+    assert dispatch.decode_route(q, k, params, None) is not None
+    check_against_reference(flashtile.flash_attn_func, q, k, v, causal=causal, window_size=window)
+
+
+@pytest.mark.parametrize("option", ["softcap", "alibi"])
+def test_dense_decode_options(option):
+    q, k, v = make_qkv(3, 1, 200, 8, 2, 40, DTYPES[0])
+    extra = {"softcap": 20.0} if option == "softcap" else {"alibi_slopes": torch.rand(3, 8, device=DEVICE) * 0.3}
+    check_against_reference(flashtile.flash_attn_func, q, k, v, causal=True, **extra)
+
+
+def test_rows_above_the_decode_tile_are_not_decode():
+    q, k, _ = make_qkv(1, DECODE_MAX_ROWS + 1, 64, 2, 2, 32, DTYPES[0], requires_grad=False)
+    assert dispatch.decode_route(q, k, ScoreParams(softmax_scale=0.1), None) is None
+    assert dispatch.decode_route(q[:, :1], k, ScoreParams(softmax_scale=0.1, dropout_p=0.1), None) is None
+
+
+def _packed(lengths_q, lengths_k, nheads, nheads_k, dtype, head_dim=64):
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = randn(sum(lengths_q), nheads, head_dim, dtype=dtype)
+    k = randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype)
+    v = randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("lengths_q", [[1, 1, 1], [1, 0, 1], [4, 1, 3]])
+@pytest.mark.parametrize("nheads, nheads_k", [(8, 2), (4, 4)])
+def test_packed_decode_shapes(lengths_q, nheads, nheads_k):
+    """One query per sequence (as a (batch, 1) tensor, GQA heads as rows, lse through a buffer),
+    sequences without a query, and a few rows each (the packed layout kept)."""
+    lengths_k = [300, 17, 1000]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, nheads, nheads_k, DTYPES[0])
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                                   return_attn_probs=True)
+    for i in range(len(lengths_k)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if qs.stop == qs.start:
+            continue
+        ref, ref_lse = attention_naive(q[qs][None], k[ks][None], v[ks][None], causal=True)
+        same_dtype, _ = attention_naive(q[qs][None], k[ks][None], v[ks][None], causal=True, dtype=None)
+        err = (out[qs][None].double() - ref).abs().max().item()
+        assert err <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4
+        assert torch.allclose(lse[:, qs].double(), ref_lse[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("nheads_k", [2, 8])
+def test_forced_splits(packed, nheads_k):
+    """Split-KV and its merge, which the interpreter never picks by itself (one split off the GPU)."""
+    dtype = DTYPES[0]
+    batch, nheads, seqlen_k = 3, 8, 700
+    q, k, v = make_qkv(batch, 1, seqlen_k, nheads, nheads_k, 64, dtype, requires_grad=False)
+    params = ScoreParams(softmax_scale=0.125, window_right=0)
+    ref, ref_lse = attention_naive(q, k, v, softmax_scale=0.125, causal=True)
+    out = torch.full_like(q, float("nan"))
+    if packed:
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device=DEVICE)
+        cu_k = cu * seqlen_k
+        seqs = PackedSeqs(cu, cu_k, 1, seqlen_k)
+        tensors = (q.reshape(1, batch, nheads, 64), k.reshape(1, -1, nheads_k, 64), v.reshape(1, -1, nheads_k, 64),
+                   out.view(1, batch, nheads, 64))
+        lse = torch.full((1, nheads, batch), float("nan"), device=DEVICE)
+    else:
+        seqs, tensors = None, (q, k, v, out)
+        lse = torch.full((batch, nheads, 1), float("nan"), device=DEVICE)
+    plan = dispatch.DecodeForward(*tensors, lse, params, seqs, num_splits=3)
+    plan(*tensors, lse, params, seqs)
+    got_lse = lse[0].t()[:, :, None] if packed else lse
+    same_dtype, _ = attention_naive(q, k, v, softmax_scale=0.125, causal=True, dtype=None)
+    assert (out.double() - ref).abs().max().item() <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4
+    assert torch.allclose(got_lse.double(), ref_lse, atol=1e-4)
