@@ -517,14 +517,13 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
     # so each program reads that head's keys and values once for all of them. A single query
     # sees every key whether causal or not, so the rows need no mask between them. Rows are
     # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
-    heads_as_rows = (seqlen_q == 1 and group > 1 and window_left < 0 and window_right < 0
-                     and alibi_slopes is None)
+    rows_from_heads = (seqlen_q == 1 and group > 1 and window_left < 0 and window_right < 0
+                       and alibi_slopes is None)
     out = empty(q.shape, q.dtype, device)
     lse = empty((batch, nheads, seqlen_q), torch.float32, device)
-    if heads_as_rows:
+    if rows_from_heads:
         params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
-        q_rows, out_rows = (t[:, 0].unflatten(1, (nheads_k, group)).transpose(1, 2) for t in (q, out))
-        lse_rows = lse[:, :, 0].unflatten(1, (nheads_k, group))
+        q_rows, out_rows, lse_rows = heads_as_rows(q, out, lse, nheads_k)
     else:
         q_rows, out_rows, lse_rows = q, out, lse
     # The queries keep their (batch, rows) layout; the keys are read through the table of pages.
