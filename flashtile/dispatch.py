@@ -50,17 +50,27 @@ def _warn_gluon_fallback(reason: str) -> None:
                   "`python -m flashtile.env` prints the details.", RuntimeWarning, stacklevel=3)
 
 
-def _options_off_hopper(params: ScoreParams) -> str:
-    """Names the options that make ``params`` not plain (the rule itself is ScoreParams.plain)."""
+def hopper_takes(kernel: str, params: ScoreParams) -> bool:
+    """Whether the Hopper kernel ``kernel`` computes these score options: the forward every one but
+    dropout (softcap, ALiBi, sliding windows), the backward plain or causal attention."""
+    if kernel == FWD_GLUON:
+        return params.dropout_p == 0.0 and params.softmax_scale > 0
+    return params.plain
+
+
+def _options_off_hopper(kernel: str, params: ScoreParams) -> str:
+    """Names the options that keep ``params`` off the Hopper kernel ``kernel`` (the rule itself is
+    hopper_takes)."""
     options = []
     if params.dropout_p > 0.0:
         options.append(f"dropout (dropout_p={params.dropout_p})")
-    if params.softcap > 0.0:
-        options.append(f"softcap={params.softcap}")
-    if params.alibi_slopes is not None:
-        options.append("ALiBi (alibi_slopes)")
-    if params.window_left >= 0 or params.window_right not in (-1, 0):
-        options.append(f"a sliding window (window_size=({params.window_left}, {params.window_right}))")
+    if kernel == BWD_GLUON:
+        if params.softcap > 0.0:
+            options.append(f"softcap={params.softcap}")
+        if params.alibi_slopes is not None:
+            options.append("ALiBi (alibi_slopes)")
+        if params.window_left >= 0 or params.window_right not in (-1, 0):
+            options.append(f"a sliding window (window_size=({params.window_left}, {params.window_right}))")
     if params.softmax_scale <= 0:
         options.append(f"softmax_scale={params.softmax_scale} <= 0")
     return " and ".join(options) or "these score options"
@@ -92,8 +102,11 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
     if kernel == BWD_GLUON and deterministic:
         return None, ("deterministic=True: the Hopper backward adds dQ up with float32 atomics in no fixed "
                       "order; the portable backward sums every gradient in a fixed order")
-    if not params.plain:
-        return None, f"{_options_off_hopper(params)}: the Hopper kernels take plain or causal attention only"
+    if not hopper_takes(kernel, params):
+        takes = ("softcap, ALiBi and sliding windows but not dropout" if kernel == FWD_GLUON else
+                 "plain or causal attention only")
+        direction = "forward" if kernel == FWD_GLUON else "backward"
+        return None, f"{_options_off_hopper(kernel, params)}: the Hopper {direction} takes {takes}"
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
@@ -114,9 +127,14 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         overrides = ", ".join(name for name in portable if overridden(name))
         return None, f"an explicit portable config is set (configs.override of {overrides})"
     _, _, max_seqlen_k = grid_lengths(q, k, seqs)
-    cfg = get_config(kernel, arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype, varlen=seqs is not None)
+    cfg = get_config(kernel, arch, q.shape[-1], *_table_mask(params, max_seqlen_k), q.dtype, varlen=seqs is not None)
     direction = "forward" if kernel == FWD_GLUON else "backward"
     mask = "causal" if params.causal else "full"
+    if params.window_left >= 0 or params.window_right not in (-1, 0):
+        mask = f"sliding window ({params.window_left}, {params.window_right})"
+    mods = [name for on, name in ((params.softcap > 0, "softcap"), (params.alibi_slopes is not None, "ALiBi")) if on]
+    if mods:
+        mask += " with " + " and ".join(mods)
     if cfg is None:
         layout = "packed" if seqs is not None else "dense"
         return None, (f"the {arch} config table has no Hopper {direction} for head dim {q.shape[-1]}, {mask}, "
@@ -128,6 +146,17 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         return None, f"the Gluon kernels are unavailable on Triton {triton.__version__}: {why}"
     return cfg, (f"{arch}, {str(q.dtype).replace('torch.', '')}, head dim {q.shape[-1]}, {mask} attention: "
                  f"the Hopper Gluon {direction}")
+
+
+def _table_mask(params: ScoreParams, max_seqlen_k: int) -> Tuple[bool, int]:
+    """(causal, keys) to look the Hopper tables up with: a sliding window's keys are the most a row
+    sees (its band, at most max_seqlen_k), and a window ending at the diagonal takes the causal
+    configs, whose tiles' work ends there too."""
+    left, right = params.window_left, params.window_right
+    if left < 0 and right in (-1, 0):
+        return params.causal, max_seqlen_k
+    span = max_seqlen_k if left < 0 or right < 0 else left + right + 1
+    return right == 0, max(1, min(span, max_seqlen_k))
 
 
 def _capability(device: torch.device) -> tuple:
@@ -265,14 +294,10 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
     _, _, max_seqlen_k = grid_lengths(q, k, seqs)
     gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
-        from .kernels.hopper.forward_plan import ForwardPlan
-        from .kernels.hopper.launch import GluonForward, gluon_seq_tensors
-
-        max_seqlen_q = None if seqs is None else seqs.max_seqlen_q
+        from .kernels.hopper.launch import GluonForward
 
         def plan_for(cfg):
-            return GluonForward(ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale,
-                                             params.causal, cfg, max_seqlen_q=max_seqlen_q, **gluon_seq_tensors(seqs)))
+            return GluonForward(q, k, v, out, lse, params, cfg, seqs)
         cfg = _tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[FWD_GLUON],
                      lambda c: plan_for(c)(q, k, v, out, lse, params, seqs))
         return plan_for(cfg)

@@ -21,7 +21,8 @@ from flashtile.configs import BWD_GLUON, FWD, FWD_GLUON, GLUON_CANDIDATES, table
 from flashtile.tools import catalog, inspect
 
 # A d64 call the sliding window keeps on the portable forward (and its autotune candidates' names).
-PORTABLE_CALL = ["--shape", "1,256,2,64", "--window", "32,0"]
+# Dropout keeps a call on the portable kernels (the Hopper forward takes the window alone).
+PORTABLE_CALL = ["--shape", "1,256,2,64", "--window", "32,0", "--dropout", "0.1"]
 PORTABLE_CONFIGS = ("m64_n64_w4_s3", "m128_n64_w4_s3_tma")
 # What the tool itself asks: whether explain sends this call to the Gluon forward on sm90.
 GLUON_CALL = catalog.CallSpec(1, 1024, 4, 128)
@@ -139,7 +140,7 @@ def test_portable_forward_report_map_and_json(tmp_path):
     done = _inspect(*PORTABLE_CALL, "--map", "ex2", "--json", str(report), "--ptx", str(tmp_path / "k.ptx"))
     assert done.returncode == 0, done.stderr
     found = json.loads(report.read_text())
-    assert found["path"] == "portable" and "sliding window" in found["reason"]
+    assert found["path"] == "portable" and "dropout" in found["reason"]
     s = found["summary"]
     cfg = table_config(FWD, "sm90", 64, False, 256, torch.bfloat16)
     assert s["kernel"] == "attn_fwd_kernel" and s["threads"] == 32 * cfg.num_warps

@@ -96,14 +96,9 @@ def _ints(values) -> torch.Tensor:
 
 def gluon_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig, seqs: Optional[PackedSeqs] = None):
     """The Hopper forward's launch (dispatch._forward_plan's Gluon branch)."""
-    from ..kernels.hopper.forward_plan import ForwardPlan
-    from ..kernels.hopper.launch import GluonForward, gluon_seq_tensors
+    from ..kernels.hopper.launch import GluonForward
 
-    def run():
-        plan = ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale, params.causal, cfg,
-                           max_seqlen_q=None if seqs is None else seqs.max_seqlen_q, **gluon_seq_tensors(seqs))
-        GluonForward(plan)(q, k, v, out, lse, params, seqs)
-    return capture(run)
+    return capture(lambda: GluonForward(q, k, v, out, lse, params, cfg, seqs)(q, k, v, out, lse, params, seqs))
 
 
 def portable_forward(q, k, v, out, lse, params: ScoreParams, cfg: KernelConfig, seqs: Optional[PackedSeqs] = None):
@@ -215,7 +210,7 @@ def call_launches(spec: CallSpec, direction: str, config: Optional[str] = None,
     config, or ``config`` (resolve_config's forms; a Gluon candidate name moves a call onto the
     Hopper path if its tensors allow). ``part``: the portable backward's kernel the config is for
     ("dkdv" / "dq"; default dkdv)."""
-    from ..dispatch import forward_kernel
+    from ..dispatch import forward_kernel, hopper_takes
     from ..kernels.hopper.tma import qkv_unsupported
     from ..options import resolve_options
 
@@ -228,7 +223,7 @@ def call_launches(spec: CallSpec, direction: str, config: Optional[str] = None,
     gluon_kernel = FWD_GLUON if direction == "fwd" else BWD_GLUON
     path, cfg, notes, reason = choice.path, choice.config, [], choice.reason
     if config not in (None, "", "table") and path != "hopper" and config in candidates(gluon_kernel, head_dim):
-        problem = qkv_unsupported(q, k, v) or (None if params.plain else "its score options")
+        problem = qkv_unsupported(q, k, v) or (None if hopper_takes(gluon_kernel, params) else "its score options")
         if problem:
             raise ValueError(f"--config {config} is a Hopper config, but this call cannot take the Hopper path: "
                              f"{problem}")
@@ -320,7 +315,8 @@ def _params(causal: bool) -> ScoreParams:
 
 
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
-    """(layout, build) of the Hopper forward: a dense batch and a packed one."""
+    """(layout, build) of the Hopper forward: a dense batch, a packed one, and a dense batch with
+    every score option at once (a sliding window, softcap, (b, h) ALiBi slopes)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
     out, lse = torch.empty_like(q), _empty(2, h, 1024, dtype=torch.float32)
@@ -328,8 +324,11 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     outv, lsev = torch.empty_like(qv), _empty(1, h, 3000, dtype=torch.float32)
     seqs = PackedSeqs(_ints([0, 1000, 3000]), _ints([0, 1000, 3000]), 2000, 2000)
     params = _params(causal)
+    options = ScoreParams(softmax_scale=0.1, softcap=30.0, window_left=512 if causal else 256,
+                          window_right=0 if causal else 256, alibi_slopes=_empty(2, h, dtype=torch.float32))
     return [("dense", lambda: gluon_forward(q, q, q, out, lse, params, cfg)),
-            ("varlen", lambda: gluon_forward(qv, qv, qv, outv, lsev, params, cfg, seqs))]
+            ("varlen", lambda: gluon_forward(qv, qv, qv, outv, lsev, params, cfg, seqs)),
+            ("options", lambda: gluon_forward(q, q, q, out, lse, options, cfg))]
 
 
 def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
@@ -447,10 +446,13 @@ def _gluon_rows(family: str, kernel: str, builds, d: int, causal: bool, dtype, w
     rows = []
     for cfg, where in table_configs(kernel, d, causal).items():
         for layout, build in builds(d, cfg, causal, dtype):
-            if layout in where:
-                rows.append(Variant(family, d, causal, f"{layout} {where[layout]}", repr(cfg), build, part))
+            # The options' variant compiles each config the dense table picks.
+            lengths = where.get("dense" if layout == "options" else layout)
+            if lengths is not None:
+                rows.append(Variant(family, d, causal, f"{layout} {lengths}", repr(cfg), build, part))
     if with_candidates:
         for name, cfg in candidates(kernel, d).items():
             for layout, build in builds(d, cfg, causal, dtype):
-                rows.append(Variant(family, d, causal, f"{layout} {name}", name, build, part))
+                if layout != "options":
+                    rows.append(Variant(family, d, causal, f"{layout} {name}", name, build, part))
     return rows

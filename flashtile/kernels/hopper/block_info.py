@@ -25,14 +25,42 @@ def key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
-    """key_block_range, and no key block at all for a tile wholly past the used rows."""
-    n_unmasked, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+def key_block_band(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """A sliding window's key blocks for query rows [start_m, start_m + BLOCK_M): row i sees keys
+    i + diag - window_left ..= i + diag + window_right (a causal window has window_right 0; an
+    unbounded side is scores.UNBOUNDED_WINDOW). Returns (n_first, n_free_lo, n_free_hi, n_total):
+    the tile visits blocks [n_first, n_total); a block in [n_free_lo, n_free_hi) lies inside every
+    row's band and the sequence (no mask), the others cross an edge."""
+    diag = seqlen_k - seqlen_q
+    first = start_m + diag
+    last = gl.minimum(start_m + BLOCK_M, seqlen_q) - 1 + diag
+    n_first = gl.maximum(first - window_left, 0) // BLOCK_N
+    n_total = gl.maximum(gl.cdiv(gl.minimum(gl.maximum(last + window_right + 1, 0), seqlen_k), BLOCK_N), n_first)
+    # Free: its first key is in the last row's band, its last key in the first row's and the sequence.
+    n_free_lo = gl.cdiv(gl.maximum(last - window_left, 0), BLOCK_N)
+    n_free_hi = gl.minimum(gl.maximum(first + window_right + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+    return n_first, n_free_lo, n_free_hi, n_total
+
+
+@gluon.jit
+def key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
+    """(n_first, n_free_lo, n_free_hi, n_total) of a forward tile (see key_block_band): with a window
+    (LOCAL) its band, else key_block_range's blocks from 0 with the free ones first; no key block at
+    all for a tile wholly past the used rows."""
+    if LOCAL:
+        n_first, n_free_lo, n_free_hi, n_total = key_block_band(start_m, seqlen_q, seqlen_k, window_left,
+                                                                window_right, BLOCK_M, BLOCK_N)
+    else:
+        n_free_hi, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        n_first = 0
+        n_free_lo = 0
     if HAS_SEQUSED_Q:
         n_total = gl.where(start_m < seqlen_q, n_total, 0)
-        n_unmasked = gl.minimum(n_unmasked, n_total)
-    return n_unmasked, n_total
+        n_first = gl.minimum(n_first, n_total)
+        n_free_hi = gl.minimum(n_free_hi, n_total)
+    return n_first, n_free_lo, n_free_hi, n_total
 
 
 @gluon.jit

@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import reinterpret, tma_load, tma_store
 from .block_info import key_block_range, key_blocks
+from .scores import alibi_slope_log2, modded_scores_log2
 from .seqlen_info import forward_tile
 
 # wgmma's M per warpgroup; each consumer warpgroup owns this many query rows.
@@ -143,9 +144,9 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
-            heads_per_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
+            heads_per_group, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+            IS_VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
     if PERSISTENT:
         kv0 = 0
         tile_iter = 0
@@ -153,30 +154,33 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                        gl.num_programs(0)):
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
-                n_unmasked, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                n_first, _, _, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
+                                                    BLOCK_N, CAUSAL, LOCAL, False)
                 reverse = False
                 if OWN_KEY_RANGE:
                     reverse = half == 1
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, kv0, tile_iter & 1, reverse,
-                            BLOCK_N, NUM_STAGES, NUM_CONSUMERS, True)
-                kv0 += n_total
+                            v_ready, v_empty, batch, start_m, n_first * BLOCK_N, head, kv_head, n_total - n_first,
+                            kv0, tile_iter & 1, reverse, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, True)
+                kv0 += n_total - n_first
                 tile_iter += 1
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
             BLOCK_M, CAUSAL, IS_VARLEN)
-        n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                         seqused_q is not None)
+        n_first, _, _, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+                                            CAUSAL, LOCAL, seqused_q is not None)
+        # A window's tile starts at its first visible key block.
+        first_key = n_first * BLOCK_N
         if IS_VARLEN:
             # Key blocks running past the sequence read the next one's keys (masked by the consumers).
             if valid:
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                            v_ready, v_empty, 0, q_start + start_m, k_start, head, kv_head, n_total, 0, 0, False,
-                            BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
+                            v_ready, v_empty, 0, q_start + start_m, k_start + first_key, head, kv_head,
+                            n_total - n_first, 0, 0, False, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
         else:
             _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                        v_ready, v_empty, batch, start_m, 0, head, kv_head, n_total, 0, 0, False,
+                        v_ready, v_empty, batch, start_m, first_key, head, kv_head, n_total - n_first, 0, 0, False,
                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
 
 
@@ -185,13 +189,22 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
-                   BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                   s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, score,
+                   BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Online-softmax update for one score block (keys from start_n). Returns (p, alpha, m_new,
     l_new); m is in scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2. ROW_SUM_MMA: l
     is the tensor cores' (see _consume) and comes back as it came. MASK: keys past the ragged end
-    and, when CAUSAL, past the row's diagonal (rows + diag, bottom-right aligned) count as -inf."""
+    and, when CAUSAL, past the row's diagonal (rows + diag, bottom-right aligned), and with a window
+    (LOCAL) outside the row's band, count as -inf. score: (ALiBi slope, softcap scale, softcap,
+    window left, window right) of SOFTCAP / ALIBI / LOCAL (scores.py)."""
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right = score
+    offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    MODDED: gl.constexpr = SOFTCAP or ALIBI
+    if MODDED:
+        # The options' scores are in log2 units already: the max and exp2 below take them as they are.
+        offset = gl.expand_dims(rows + diag - start_n, 1) - gl.expand_dims(offsets, 0)
+        s, _ = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP, ALIBI)
     if MASK:
         # One compare per score: the column's offset in the block (a constant per thread) against
         # the row's last visible key, moved into the block. Comparing absolute key indices with
@@ -199,18 +212,27 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
         last_key = gl.full(rows.shape, 0, gl.int32, rows.type.layout) + (seqlen_k - 1)
         if CAUSAL:
             last_key = gl.minimum(last_key, rows + diag)
-        offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if LOCAL:
+            last_key = gl.minimum(last_key, rows + diag + window_right)
         keep = gl.expand_dims(offsets, 0) <= gl.expand_dims(last_key - start_n, 1)
+        if LOCAL:
+            keep = keep & (gl.expand_dims(offsets, 0) >= gl.expand_dims(rows + diag - window_left - start_n, 1))
         s = gl.where(keep, s, float("-inf"))
-    # max(s) * scale is the max of the scaled scores because the scale is positive (the host
-    # sends other scales to the portable kernels).
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+    if MODDED:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    else:
+        # max(s) * scale is the max of the scaled scores because the scale is positive (the host
+        # sends other scales to the portable kernels).
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
     if MASK:
         # A row with every key masked so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
+    if MODDED:
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    else:
+        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     if ROW_SUM_MMA:
         l_new = l_i
@@ -268,8 +290,9 @@ def _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn,
                       other_turn, acc, p_op, m_i, l_i, j_start, j_end, kv0, turn0, rows, seqlen_k, diag,
-                      qk_scale_log2, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+                      qk_scale_log2, score, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                      CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                      PINGPONG: gl.constexpr, s_layout: gl.constexpr,
                       p_layout: gl.constexpr, SKIP_LAST_CHUNK: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together (and
     l += P_{j-1} 1 with ROW_SUM_MMA), run the softmax of S_j while the PV wgmma is in flight.
@@ -301,8 +324,8 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
         else:
             s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(stage))
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                            BLOCK_N, MASK, CAUSAL, s_layout, ROW_SUM_MMA)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2, score,
+                                            BLOCK_N, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, s_layout, ROW_SUM_MMA)
         if ROW_SUM_MMA:
             acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
             l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
@@ -386,9 +409,9 @@ def _release_blocks(k_ready, k_empty, v_ready, v_empty, kv0, j_start, j_end, NUM
 
 @gluon.jit
 def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
-                     other_turn, acc, p_op, m_i, l_i, j, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
+                     other_turn, acc, p_op, m_i, l_i, j, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
                      CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+                     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
                      p_layout: gl.constexpr):
     """The tile's last key block j (>= 1) for a warpgroup whose rows see only its first BLOCK_N / 2 keys
     (TRIM_DIAGONAL): S = Q K_j[:half]^T is issued with O += P_{j-1} V_{j-1}, then O += P_j V_j[:half].
@@ -424,7 +447,8 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
     else:
         l_h = gl.convert_layout(l_i, h_rows)
     p, alpha, m_h, l_h = _softmax_block(s, m_h, l_h, gl.convert_layout(rows, h_rows), j * BLOCK_N, seqlen_k, diag,
-                                        qk_scale_log2, HALF, True, CAUSAL, h_layout, ROW_SUM_MMA)
+                                        qk_scale_log2, score, HALF, True, CAUSAL, False, SOFTCAP, ALIBI, h_layout,
+                                        ROW_SUM_MMA)
     if ROW_SUM_MMA:
         acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
         l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
@@ -451,14 +475,17 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
 @gluon.jit
 def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
              turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
-             start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, kv0, turn0, q_phase,
-             reverse, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+             start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked, n_total,
+             kv0, turn0, q_phase, reverse, score, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
              HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
              TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
-    """One 64-row slice of a tile. kv0 / turn0 / q_phase: the K/V ring position, ping-pong issue
-    points and tiles (mod 2) of the tiles a persistent CTA ran before this one (0 otherwise).
+    """One 64-row slice of a tile: key blocks [n_first, n_total), of which [n_free_lo, n_unmasked) need
+    no mask (n_first and n_free_lo are 0 but for a window). kv0 / turn0 / q_phase: the K/V ring
+    position, ping-pong issue points and tiles (mod 2) of the tiles a persistent CTA ran before this
+    one (0 otherwise). score: the options' runtime values (_softmax_block).
     A persistent CTA hands Q back to the loader after the tile's last S and stages O in o_smem, so
     the next tile's Q lands during this tile's last P V and its output store."""
     # HEAD_DIM: the tiles' width (a power of two); HEAD_DIM_TRUE: the tensors' (<= HEAD_DIM). TMA
@@ -512,13 +539,18 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         l_i = gl.zeros([64], gl.float32, row_layout)
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
-    if n_mine > 0:
-        # Block 0 alone: S_0, softmax, nothing to overlap yet.
-        stage0 = kv0 % NUM_STAGES
-        mbarrier.wait(k_ready.index(stage0), (kv0 // NUM_STAGES) & 1)
+    if LOCAL:
+        # A window's first block n_first is the ring's (and the issue points') number 0: shifting
+        # both counts lets every loop below index blocks by their key position.
+        kv0 = kv0 - n_first
+        turn0 = turn0 - n_first
+    if n_mine > n_first:
+        # Block n_first alone: S, softmax, nothing to overlap yet.
+        stage0 = (kv0 + n_first) % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage0), ((kv0 + n_first) // NUM_STAGES) & 1)
         k_t = k_smem.index(stage0).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
         if PINGPONG:
-            mbarrier.wait(my_turn, turn0 & 1)
+            mbarrier.wait(my_turn, (turn0 + n_first) & 1)
         if SKIP_LAST_CHUNK:
             s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage0),
                                                 gl.zeros([64, BLOCK_N], gl.float32, s_layout))
@@ -536,12 +568,14 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         # it): the mask adds two fifths to the d64 softmax's instructions, and a causal tile at 1k
         # keys has only 4.5 blocks on average. No wgmma is in flight here, so the branch cannot
         # split an async group.
-        if n_unmasked > 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2, BLOCK_N,
-                                                False, CAUSAL, s_layout, ROW_SUM_MMA)
+        if (n_free_lo <= n_first) & (n_first < n_unmasked):
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
+                                                score, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, s_layout,
+                                                ROW_SUM_MMA)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, 0, seqlen_k, diag, qk_scale_log2, BLOCK_N,
-                                                True, CAUSAL, s_layout, ROW_SUM_MMA)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
+                                                score, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, s_layout,
+                                                ROW_SUM_MMA)
         p_op = _probabilities_operand(p, v_smem.dtype, p_layout)
 
         # Mask-free blocks, then the blocks on the diagonal / ragged end (but a last block this
@@ -550,22 +584,36 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         if TRIM_DIAGONAL:
             half_last = _sees_half_of_last_block(my_start, seqlen_k, diag, n_total, BLOCK_N)
             n_wide = n_total - half_last.to(gl.int32)
-        split = gl.maximum(n_unmasked, 1)
+        free_start = n_first + 1
+        if LOCAL:
+            # Blocks cut by the window's left edge come first.
+            free_start = gl.minimum(gl.maximum(n_free_lo, n_first + 1), n_wide)
+            acc, p_op, m_i, l_i = _pipelined_blocks(
+                q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc,
+                p_op, m_i, l_i, n_first + 1, free_start, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
+                BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, s_layout, p_layout,
+                SKIP_LAST_CHUNK, ROW_SUM_MMA)
+            split = gl.minimum(gl.maximum(n_unmasked, free_start), gl.maximum(n_wide, free_start))
+        else:
+            split = gl.maximum(n_unmasked, 1)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
-            m_i, l_i, 1, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, False, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK, ROW_SUM_MMA)
+            m_i, l_i, free_start, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
+            BLOCK_N, NUM_STAGES, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
+            ROW_SUM_MMA)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
-            m_i, l_i, split, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
-            BLOCK_N, NUM_STAGES, True, CAUSAL, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK, ROW_SUM_MMA)
+            m_i, l_i, split, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
+            BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
+            ROW_SUM_MMA)
 
         if TRIM_DIAGONAL:
             if n_wide < n_total:
                 acc, m_i, l_i = _half_last_block(
                     q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
-                    other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2,
-                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, PERSISTENT, ROW_SUM_MMA, p_layout)
+                    other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
+                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, PINGPONG, PERSISTENT, ROW_SUM_MMA,
+                    p_layout)
             else:
                 acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
                                   n_total, kv0, turn0, CONSUMER, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT,
@@ -645,8 +693,10 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
 def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
               turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
               cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group,
-              qk_scale_log2, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+              qk_scale_log2, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes, stride_alibi_b,
+              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
+              ALIBI: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
               ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
     if PERSISTENT:
@@ -657,42 +707,50 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                        gl.num_programs(0)):
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
-                n_unmasked, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                n_first, n_free_lo, n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left,
+                                                                     window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL,
+                                                                     False)
                 reverse = False
                 if OWN_KEY_RANGE:
                     reverse = half == 1
+                score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale,
+                         softcap_log2, window_left, window_right)
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
-                         qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_unmasked, n_total,
-                         kv0, turn0, tile_iter & 1, reverse, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG,
-                         False, False, HEAD_DIM_TRUE, True, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)
-                kv0 += n_total
-                # A tile with key blocks has n_total + 1 issue points (S_0, then S_j with
+                         qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_first, n_free_lo,
+                         n_unmasked, n_total, kv0, turn0, tile_iter & 1, reverse, score, CONSUMER, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, False, False, HEAD_DIM_TRUE, True,
+                         ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE)
+                n_blocks = n_total - n_first
+                kv0 += n_blocks
+                # A tile with key blocks has n_blocks + 1 issue points (its first S, then S_j with
                 # P_{j-1} V_{j-1}, then the last P V).
-                turn0 += gl.where(n_total > 0, n_total + 1, 0)
+                turn0 += gl.where(n_blocks > 0, n_blocks + 1, 0)
                 tile_iter += 1
         tma.store_wait(0)
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
             BLOCK_M, CAUSAL, IS_VARLEN)
-        n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL,
-                                         seqused_q is not None)
+        n_first, n_free_lo, n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                             BLOCK_M, BLOCK_N, CAUSAL, LOCAL, seqused_q is not None)
+        score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
+                 window_left, window_right)
         if IS_VARLEN:
             if valid:
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
-                         qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked,
-                         n_total, 0, 0, 0, False, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN,
-                         seqused_q is not None, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)
+                         qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first,
+                         n_free_lo, n_unmasked, n_total, 0, 0, 0, False, score, CONSUMER, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, seqused_q is not None,
+                         HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
-                     start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_unmasked, n_total, 0, 0, 0, False,
-                     CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE,
-                     False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE)
+                     start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked,
+                     n_total, 0, 0, 0, False, score, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP,
+                     ALIBI, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
+                     OWN_KEY_RANGE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -707,7 +765,8 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
 # u = program_id, program_id + num_programs, ... (see _dense_units); otherwise one CTA per
 # (query block, head, batch) of the grid.
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group",
-                              "n_batch", "heads_per_group", "stride_o_s", "stride_o_h"])
+                              "n_batch", "heads_per_group", "stride_o_s", "stride_o_h", "window_left", "window_right",
+                              "stride_alibi_b"])
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h,
                           seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group, qk_scale_log2,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o_ptr, stride_o_s, stride_o_h,
@@ -716,7 +775,9 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
                           IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
                           ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr = False,
-                          OWN_KEY_RANGE: gl.constexpr = False):
+                          OWN_KEY_RANGE: gl.constexpr = False, LOCAL: gl.constexpr = False,
+                          SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, window_left=0, window_right=0,
+                          softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -769,57 +830,63 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
-                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [1], [LOADER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
-                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
-                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_CONSUMERS == 4, "1 to 4 consumer warpgroups")
@@ -827,29 +894,33 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
-                         n_batch, heads_per_group, qk_scale_log2, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA, TRIM_DIAGONAL,
-                         OWN_KEY_RANGE)),
+                         n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
+                         softcap_log2, alibi_slopes, stride_alibi_b, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
-                       head_group, n_batch, heads_per_group, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                       IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

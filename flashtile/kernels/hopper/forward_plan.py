@@ -2,12 +2,15 @@
 TMA descriptor layouts, kernel arguments), the register cap for several CTAs per SM, and the group
 size of causal grids."""
 
+from dataclasses import replace
+
 import torch
 import triton
 
 from ...configs import GluonFwdConfig, padded_head_dim
 from ..plans import CompiledCall
 from .forward import ROWS_PER_CONSUMER, gluon_attn_fwd_kernel
+from .scores import UNBOUNDED_WINDOW
 from .tma import DescriptorTemplate, multiprocessors, qkv_supported
 
 LOG2E = 1.4426950408889634
@@ -20,8 +23,9 @@ def supported(q, k, v, causal) -> bool:
 
 def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: bool,
                             config: GluonFwdConfig, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                            seqused_q=None, seqused_k=None, max_seqlen_q=None) -> None:
+                            seqused_q=None, seqused_k=None, max_seqlen_q=None, **options) -> None:
     """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
+    ``options`` (ForwardPlan's): softcap, window_left / window_right, alibi_slopes, as flash_attn's.
 
     Dense: q, out (b, sq, h, d); k, v (b, sk, hk, d); lse (b, h, sq) float32.
     Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, out (1, total_q, h, d),
@@ -33,7 +37,7 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
     Keys and values past a sequence's used keys (the next sequence's, or unused slots) are read and
     masked out; they must be finite (a NaN value times probability 0 is still NaN). See supported()."""
     _launch(q, k, v, out, lse, softmax_scale, causal, config, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q)
+            cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, **options)
 
 
 def _launch(q, k, v, out, lse, softmax_scale, causal, config, **varlen):
@@ -42,13 +46,29 @@ def _launch(q, k, v, out, lse, softmax_scale, causal, config, **varlen):
 
 
 def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                  seqused_q=None, seqused_k=None, max_seqlen_q=None):
+                  seqused_q=None, seqused_k=None, max_seqlen_q=None, **options):
     """A zero-argument launch with the TMA descriptors built once (timing without host overhead).
     Arguments as gluon_attention_forward's."""
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
-    plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen)
+    plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen,
+                       **options)
     descriptors = plan.descriptors(q, k, v, out)
-    return lambda: plan.launch(descriptors, out, lse, **varlen)
+    alibi_slopes = options.get("alibi_slopes")
+    return lambda: plan.launch(descriptors, out, lse, alibi_slopes=alibi_slopes, **varlen)
+
+
+def band_sides(causal: bool, window_left: int, window_right: int):
+    """(local, left, right): whether the call has a sliding window (not plain causal attention), and
+    its sides as the kernel takes them (an unbounded side as UNBOUNDED_WINDOW; causal is right 0)."""
+    if causal:
+        window_right = 0
+    local = window_left >= 0 or (window_right >= 0 and not causal)
+    if not local:
+        return False, 0, 0  # unread
+
+    def side(w):
+        return w if w >= 0 else UNBOUNDED_WINDOW
+    return True, side(window_left), side(window_right)
 
 
 def register_cap(cfg: GluonFwdConfig) -> dict:
@@ -73,10 +93,18 @@ class ForwardPlan:
     and 16-byte alignment (the plan key's job). Arguments as gluon_attention_forward's."""
 
     def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, max_seqlen_q=None):
+                 seqused_q=None, seqused_k=None, max_seqlen_q=None, softcap: float = 0.0, window_left: int = -1,
+                 window_right: int = -1, alibi_slopes=None):
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        local, window_left, window_right = band_sides(causal, window_left, window_right)
         cfg = config
+        if local:
+            # A window's tiles all have about the same key blocks: tiles in order, none of the causal
+            # schedules (pairs, own key ranges, a trimmed diagonal).
+            causal = False
+            cfg = replace(cfg, own_key_range=False, trim_diagonal=False)
+        assert alibi_slopes is None or (alibi_slopes.dtype == torch.float32 and alibi_slopes.stride(-1) == 1)
         assert lse.stride(-1) == 1 and out.stride(-1) == 1
         assert not cfg.pingpong or cfg.num_consumers >= 2
         # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
@@ -138,21 +166,26 @@ class ForwardPlan:
                  ROW_SUM_MMA=cfg.row_sum_mma,
                  TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
                  OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
+                 LOCAL=local, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
+                 window_left=window_left, window_right=window_right,
+                 softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0,
+                 softcap_log2=softcap * LOG2E if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
+                 stride_alibi_b=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k", "o_ptr"))
+                   "seqused_k", "o_ptr", "alibi_slopes"))
 
     def descriptors(self, q, k, v, out) -> tuple:
         """The TMA descriptors of one call's tensors (q, k, v, o order)."""
         return self.q_tiles(q), self.k_tiles(k), self.v_tiles(v), self.o_tiles(out)
 
     def launch(self, descriptors, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-               seqused_k=None):
+               seqused_k=None, alibi_slopes=None):
         """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
         if self.call is None:
             return None
         return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         out if self.varlen else None)
+                         out if self.varlen else None, alibi_slopes)
 
     def __call__(self, q, k, v, out, lse, **varlen):
         if self.call is None:

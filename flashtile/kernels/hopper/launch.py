@@ -10,20 +10,25 @@ import torch
 from ...options import PackedSeqs, ScoreParams, grid_lengths
 from ..portable.launch import preprocess_call, preprocess_seq_tensors, row_stats_buffers
 from .backward_plan import BackwardPlan, done_counts_buffer, dq_accumulator
+from .forward_plan import ForwardPlan
 
 
 class GluonForward:
     """forward_plan.ForwardPlan called as attention_forward's plans are: packed batches pass their
-    prefix sums, and lse as its (h, total_q) view."""
+    prefix sums, and lse as its (h, total_q) view; the score options come from ScoreParams."""
 
-    def __init__(self, plan):
-        self.plan = plan
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None):
+        self.plan = ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale, params.causal,
+                                cfg, max_seqlen_q=None if seqs is None else seqs.max_seqlen_q,
+                                softcap=params.softcap, window_left=params.window_left,
+                                window_right=params.window_right, alibi_slopes=params.alibi_slopes,
+                                **gluon_seq_tensors(seqs))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         if seqs is None:
-            self.plan(q, k, v, out, lse)
+            self.plan(q, k, v, out, lse, alibi_slopes=params.alibi_slopes)
         else:
-            self.plan(q, k, v, out, lse[0], **gluon_seq_tensors(seqs))
+            self.plan(q, k, v, out, lse[0], alibi_slopes=params.alibi_slopes, **gluon_seq_tensors(seqs))
 
 
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,

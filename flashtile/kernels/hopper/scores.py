@@ -1,0 +1,57 @@
+"""The Hopper kernels' score options, written once for the forward and the backward: softcap and
+ALiBi on a tile of raw dot products, and the sliding-window band. Same order and meaning as the
+portable kernels' pipeline (portable/scores.py): q.k * scale -> softcap -> + ALiBi bias -> the
+causal / window / bounds mask, scores in log2 units so the softmax uses exp2.
+
+Window sides travel as runtime ints, an unbounded side as UNBOUNDED_WINDOW (a key index no sequence
+reaches, with room to add a row index without overflowing int32): a sliding window, causal or not,
+compiles one band test whatever its sides."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+# What the host passes for a window side of -1 (no bound): 2^30 keys.
+UNBOUNDED_WINDOW = 1 << 30
+
+
+@gluon.jit
+def tanh_approx(x):
+    """tanh by the multi-function unit (one instruction, about 2^-11 relative error: below bf16's
+    and fp16's rounding of the scores it caps)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2,
+                       SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """Raw dot products ``s`` (a float32 tile) -> scores in log2 units, with softcap and ALiBi.
+
+    Returns (scores, t): t = tanh(q.k * softmax_scale / softcap), whose 1 - t^2 is the backward's
+    softcap derivative (t is s when not capping). qk_scale_log2: softmax_scale * log2(e);
+    softcap_scale: softmax_scale / softcap; softcap_log2: softcap * log2(e); slope_log2: the
+    (batch, head)'s ALiBi slope * log2(e). offset: query position + (seqlen_k - seqlen_q) - key
+    position (int32), broadcastable against s (ALiBi only; the bias is -slope * |offset|). Kept int
+    until here: float offsets held the tile's column positions in 64 more registers per thread,
+    which the d128 forward spilled."""
+    if SOFTCAP:
+        t = tanh_approx(s * softcap_scale)
+        s = t * softcap_log2
+    else:
+        t = s
+        s = s * qk_scale_log2
+    if ALIBI:
+        s = s - slope_log2 * gl.abs(offset).to(gl.float32)
+    return s, t
+
+
+@gluon.jit
+def alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI: gl.constexpr):
+    """The (batch, head)'s ALiBi slope times log2(e) (stride_alibi_b is 0 for (nheads,) slopes); 0 without."""
+    if ALIBI:
+        slope = gl.load(alibi_slopes + batch.to(gl.int64) * stride_alibi_b + head) * LOG2E
+    else:
+        slope = 0.0
+    return slope
