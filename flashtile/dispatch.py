@@ -150,13 +150,14 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
 
 def _table_mask(params: ScoreParams, max_seqlen_k: int) -> Tuple[bool, int]:
     """(causal, keys) to look the Hopper tables up with: a sliding window's keys are the most a row
-    sees (its band, at most max_seqlen_k), and a window ending at the diagonal takes the causal
-    configs, whose tiles' work ends there too."""
+    sees (its band, at most max_seqlen_k), and a window bounded on both sides takes the causal
+    configs (small tiles, several CTAs per SM at short keys): its tiles' work is a band too."""
     left, right = params.window_left, params.window_right
     if left < 0 and right in (-1, 0):
         return params.causal, max_seqlen_k
-    span = max_seqlen_k if left < 0 or right < 0 else left + right + 1
-    return right == 0, max(1, min(span, max_seqlen_k))
+    if left < 0 or right < 0:
+        return False, max_seqlen_k
+    return True, max(1, min(left + right + 1, max_seqlen_k))
 
 
 def _capability(device: torch.device) -> tuple:

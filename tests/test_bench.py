@@ -1,4 +1,4 @@
-"""`python -m flashtile bench dense|varlen|decode` (flashtile/tools/bench/) without a GPU.
+"""`python -m flashtile bench dense|varlen|decode|options` (flashtile/tools/bench/) without a GPU.
 
 The timing paths need CUDA; what runs here is everything around them: argument parsing (sizes
 such as 1k, flags a mode would ignore), the output folder and its guard, the checks against the
@@ -233,6 +233,28 @@ def test_decode_smoke(tmp_path, capsys, monkeypatch):
     assert document["meta"]["causal"] is True and document["meta"]["anchors"]["fa4"].startswith("not available")
     assert "| 2 | 64 | 2 |" in (tmp_path / "decode.md").read_text()
     capsys.readouterr()
+
+
+@needs_interpreter
+def test_options_smoke(tmp_path, capsys):
+    assert bench.main(["options", "--interpret-smoke", "--heads-k", "1", "--sets", "plain-causal,window-softcap",
+                       "--modes", "fwd_bwd", "--out", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "options.json").read_text())
+    assert [(r["system"], r["set"], r["ok"]) for r in document["records"]] == [
+        ("flashtile", "plain-causal", True), ("flashtile", "window-softcap", True)]
+    assert set(document["records"][1]["rel_errs"]) == {"out", "dq", "dk", "dv"}
+    assert document["records"][1]["causal_shaped"] is True
+    assert "flashtile options benchmark" in (tmp_path / "options.md").read_text()
+    capsys.readouterr()
+
+
+def test_options_count_the_visible_pairs():
+    from flashtile.tools.bench import options
+
+    assert options.visible_pairs(4, options.option_set("plain-full", 2, 0.0)) == 16
+    assert options.visible_pairs(4, options.option_set("plain-causal", 2, 0.0)) == 10
+    assert options.visible_pairs(4, options.option_set("window-causal", 1, 0.0)) == 7  # 1 + 2 + 2 + 2
+    assert options.visible_pairs(4, options.option_set("window-both", 2, 0.0)) == 10  # (1, 1): 2 + 3 + 3 + 2
 
 
 @pytest.mark.skipif(interpreter_problem() is not None, reason="this Triton's CPU interpreter cannot run here")

@@ -1,0 +1,370 @@
+"""``bench options``: flash_attn_func with sliding windows, softcap and ALiBi, against plain attention
+and FlexAttention running the same masks and score mods.
+
+One dense batch per head dim (--tokens tokens, batch = tokens // seqlen, hidden 2048, bf16) and each
+option set of --sets:
+  plain-causal, plain-full   no option: the yardstick (the same kernels' plain speed);
+  window-causal              causal with window_size (--window, -1): Mistral, Gemma 2 / 3 local layers;
+  window-both                window_size (--window / 2, --window / 2), not causal;
+  softcap-causal / -full     softcap --softcap (Gemma 2);
+  alibi-causal / -full       ALiBi slopes of shape (nheads,) (BLOOM, MPT);
+  window-softcap             causal, window (--window, -1) and softcap together.
+TFLOP/s count the (query, key) pairs the options leave visible: 4 * b * h * d per pair, 3.5x that for
+forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain TFLOP/s of the same mask
+class (causal-shaped sets against plain-causal, the others against plain-full), all in the same run;
+"ft/flex" over compiled FlexAttention with the same block mask and score_mod. Every system's output
+(flashtile's gradients too) is checked on the first batch element against a float32 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import (add_common_arguments, check_out_dir, check_smoke_sizes, choice_list, collect_meta,
+                     default_out_dir, do_bench_ms, failure_reason, fill_defaults, free_device_memory, parse_size,
+                     Progress, relative_error, require_torch, run_device, size_list, warm_up_gpu, write_json)
+from .report import Table, geomean, render_text, save_plot, skipped_notes, write_markdown
+
+PROG = "python -m flashtile bench options"
+MODES = ("fwd", "fwd_bwd")
+SETS = ("plain-causal", "plain-full", "window-causal", "window-both", "softcap-causal", "softcap-full",
+        "alibi-causal", "alibi-full", "window-softcap")
+ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
+SMOKE_DEFAULTS = {"headdims": [32], "seqlen": 64, "tokens": 64, "heads": 2, "window": 16, "dtype": "fp16"}
+GPU_DEFAULTS = {"headdims": [64, 128], "seqlen": 8192, "tokens": 16384, "heads": None, "window": 1024,
+                "dtype": "bf16"}
+
+
+def option_set(name: str, window: int, softcap: float) -> dict:
+    """flash_attn_func's keyword arguments of set ``name`` (alibi: True for (nheads,) slopes)."""
+    sets = {
+        "plain-causal": dict(causal=True),
+        "plain-full": dict(),
+        "window-causal": dict(causal=True, window_size=(window, -1)),
+        "window-both": dict(window_size=(window // 2, window // 2)),
+        "softcap-causal": dict(causal=True, softcap=softcap),
+        "softcap-full": dict(softcap=softcap),
+        "alibi-causal": dict(causal=True, alibi=True),
+        "alibi-full": dict(alibi=True),
+        "window-softcap": dict(causal=True, window_size=(window, -1), softcap=softcap),
+    }
+    return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False), **sets[name]}
+
+
+def causal_shaped(options: dict) -> bool:
+    """Whether a set's band ends at the diagonal (its yardstick is plain causal attention)."""
+    return options["causal"] or options["window_size"][1] == 0
+
+
+def visible_pairs(seqlen: int, options: dict) -> int:
+    """(query, key) pairs the causal mask and window leave (square, so the diagonal is i = j)."""
+    left, right = options["window_size"]
+    if options["causal"]:
+        right = 0
+    total = 0
+    for i in range(seqlen):
+        lo = 0 if left < 0 else max(0, i - left)
+        hi = seqlen - 1 if right < 0 else min(seqlen - 1, i + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+class Problem:
+    """The inputs of one (head dim, option set) point, shared by every system."""
+
+    def __init__(self, batch, seqlen, nheads, nheads_k, headdim, options, dtype, device):
+        import torch
+
+        generator = torch.Generator(device=device).manual_seed(0)
+        self.options, self.nheads, self.nheads_k = options, nheads, nheads_k
+        self.q = torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=generator)
+        self.k, self.v = (torch.randn(batch, seqlen, nheads_k, headdim, device=device, dtype=dtype,
+                                      generator=generator) for _ in range(2))
+        self.dout = torch.randn(self.q.shape, device=device, dtype=dtype, generator=generator)
+        # ALiBi slopes as ALiBi's paper sets them: 2^(-8 (h + 1) / nheads).
+        self.slopes = (torch.exp2(-8.0 * (torch.arange(nheads, device=device) + 1) / nheads).float()
+                       if options["alibi"] else None)
+
+    def flash_kwargs(self) -> dict:
+        o = self.options
+        return dict(causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
+                    alibi_slopes=self.slopes)
+
+
+def flashtile_system(p: Problem):
+    from flashtile import flash_attn_func
+
+    kwargs = p.flash_kwargs()
+    return lambda q, k, v: flash_attn_func(q, k, v, **kwargs)
+
+
+def flex_system(p: Problem):
+    """FlexAttention with the options as a block mask (causal, window) and a score_mod (softcap, ALiBi)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from .dense import compiled_flex_attention
+
+    o, slopes = p.options, p.slopes
+    left, right = o["window_size"]
+    if o["causal"]:
+        right = 0
+    seqlen = p.q.shape[1]
+    block_mask = None
+    if left >= 0 or right >= 0:
+        def band(batch, head, q_idx, kv_idx):
+            keep = kv_idx >= 0
+            if right >= 0:
+                keep = keep & (kv_idx <= q_idx + right)
+            if left >= 0:
+                keep = keep & (kv_idx >= q_idx - left)
+            return keep
+
+        block_mask = create_block_mask(band, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=str(p.q.device))
+    cap = o["softcap"]
+
+    def score_mod(score, batch, head, q_idx, kv_idx):
+        if cap > 0:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score - slopes[head] * (q_idx - kv_idx).abs()
+        return score
+
+    flex = compiled_flex_attention()
+    kwargs = {"enable_gqa": True} if p.nheads_k != p.nheads else {}
+    if cap > 0 or slopes is not None:
+        kwargs["score_mod"] = score_mod
+
+    def attn(q, k, v):
+        out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, **kwargs)
+        return out.transpose(1, 2)
+
+    return attn
+
+
+SYSTEMS = {"flashtile": flashtile_system, "flex": flex_system}
+
+
+def reference(p: Problem, with_grads: bool) -> dict:
+    """float32 out (and dq, dk, dv of sum(out * dout)) of the first batch element, a KV head at a time."""
+    import torch
+
+    from flashtile.reference import attention_naive
+
+    group = p.nheads // p.nheads_k
+    pieces: dict = {name: [] for name in ("out", "dq", "dk", "dv")}
+    for kv_head in range(p.nheads_k):
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        q, k, v = (t[:1, :, hs].detach().float().requires_grad_(with_grads)
+                   for t, hs in ((p.q, heads), (p.k, slice(kv_head, kv_head + 1)), (p.v, slice(kv_head, kv_head + 1))))
+        o = p.options
+        with torch.enable_grad():
+            out, _ = attention_naive(q, k, v, causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
+                                     alibi_slopes=None if p.slopes is None else p.slopes[heads],
+                                     dtype=torch.float32)
+            grads = torch.autograd.grad(out, (q, k, v), p.dout[:1, :, heads].float()) if with_grads else ()
+        pieces["out"].append(out.detach())
+        for name, grad in zip(("dq", "dk", "dv"), grads):
+            pieces[name].append(grad)
+    return {name: torch.cat(parts, dim=2) for name, parts in pieces.items() if parts}
+
+
+def check(name: str, attn, p: Problem, ref: dict) -> dict[str, float]:
+    import torch
+
+    grads = "dq" in ref and name == "flashtile"
+    leaves = [t.detach().requires_grad_(grads) for t in (p.q, p.k, p.v)]
+    out = attn(*leaves)
+    errors = {"out": relative_error(out[:1], ref["out"])}
+    if grads:
+        for key, grad in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, p.dout)):
+            errors[key] = relative_error(grad[:1], ref[key])
+    return errors
+
+
+def timed(attn, p: Problem, mode: str):
+    import torch
+
+    leaves = [t.detach().requires_grad_(mode == "fwd_bwd") for t in (p.q, p.k, p.v)]
+    if mode == "fwd":
+        return lambda: attn(*leaves)
+    return lambda: torch.autograd.grad(attn(*leaves), leaves, p.dout)
+
+
+def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
+    others = [s for s in systems if s != "flashtile"]
+    header = ["hdim", "heads", "set", "mode", *systems, "ft/plain", *(f"ft/{s}" for s in others), "ok"]
+    by_key: dict = {}
+    for r in records:
+        by_key.setdefault((r["headdim"], r["nheads"], r["nheads_k"], r["mode"]), {}).setdefault(r["set"], {})[
+            r["system"]] = r
+    ratios: dict = {}
+    rows = []
+    for (headdim, nheads, nheads_k, mode), sets in by_key.items():
+        for name in SETS:
+            cells = sets.get(name)
+            if cells is None:
+                continue
+            row = [str(headdim), str(nheads) if nheads == nheads_k else f"{nheads}/{nheads_k}", name, mode]
+            for system in systems:
+                r = cells.get(system)
+                if r is None or (r.get("skipped") and r.get("tflops") is None and r.get("rel_err") is None):
+                    row.append("skip" if r else "-")
+                elif timing:
+                    row.append(f"{r['tflops']:.1f}" if r.get("tflops") else "-")
+                else:
+                    row.append(f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-")
+            ft = cells.get("flashtile", {}).get("tflops")
+            plain_name = "plain-causal" if cells.get("flashtile", {}).get("causal_shaped") else "plain-full"
+            plain = sets.get(plain_name, {}).get("flashtile", {}).get("tflops")
+            if ft and plain and not name.startswith("plain"):
+                ratios.setdefault((mode, "plain"), []).append(ft / plain)
+            row.append(f"{ft / plain:.2f}" if ft and plain and not name.startswith("plain") else "-")
+            for other in others:
+                ref = cells.get(other, {}).get("tflops")
+                if ft and ref:
+                    ratios.setdefault((mode, other), []).append(ft / ref)
+                row.append(f"{ft / ref:.2f}" if ft and ref else "-")
+            failing = [s for s in systems if cells.get(s, {}).get("ok") is False]
+            row.append("FAIL:" + ",".join(failing) if failing else "ok")
+            rows.append(row)
+    notes = []
+    for mode in MODES:
+        parts = [f"{o} {geomean(ratios[(mode, o)]):.2f}" for o in ("plain", *others) if (mode, o) in ratios]
+        if parts:
+            notes.append(f"geomean flashtile/x, {mode}: " + ", ".join(parts))
+    notes += skipped_notes((r["system"], r.get("skipped")) for r in records)
+    return Table(header=header, rows=rows, notes=notes, left=frozenset({"set", "mode", "ok"}))
+
+
+def draw_plot(records: list[dict], systems: list[str], title: str):
+    """Bars of TFLOP/s on visible pairs, one group per (head dim, set, mode)."""
+
+    def draw(plt):
+        groups = sorted({(r["headdim"], SETS.index(r["set"]), r["mode"]) for r in records})
+        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(groups)), 4))
+        width = 0.8 / len(systems)
+        for i, system in enumerate(systems):
+            values = [next((r["tflops"] or 0 for r in records if r["system"] == system and
+                            (r["headdim"], SETS.index(r["set"]), r["mode"]) == g), 0) for g in groups]
+            ax.bar([x + i * width for x in range(len(groups))], values, width, label=system)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+        ax.set_xticklabels([f"d{d}\n{SETS[s]}\n{m}" for d, s, m in groups], fontsize=6)
+        ax.set_ylabel("TFLOP/s on visible pairs")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+        return fig
+
+    return draw
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--headdims", type=size_list, default=None, help="head dims (default: 64,128)")
+    add("--seqlen", type=parse_size, default=None, help="queries and keys per sequence (default: 8k)")
+    add("--tokens", type=parse_size, default=None, help="tokens per batch: batch = tokens // seqlen (default: 16k)")
+    add("--heads", type=int, default=None, help="query heads (default: hidden // headdim)")
+    add("--heads-k", type=int, default=None, help="key/value heads, dividing --heads: GQA/MQA (default: --heads)")
+    add("--hidden", type=int, default=2048, help="hidden size, nheads = hidden // headdim (default: %(default)s)")
+    add("--sets", type=choice_list(SETS), default=list(SETS), help="option sets: " + ", ".join(SETS))
+    add("--window", type=parse_size, default=None, help="sliding window's left side (default: 1k)")
+    add("--softcap", type=float, default=50.0, help="softcap (default: %(default)s, Gemma 2's)")
+    add("--modes", type=choice_list(MODES), default=["fwd"], help="fwd, fwd_bwd (default: fwd)")
+    add("--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: bf16; fp16 when smoke)")
+    add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
+        default=None, help="anchors timed in the same run: flex; 'none' for flashtile alone "
+                           "(default: flex; none with --interpret-smoke)")
+    add_common_arguments(parser)
+
+
+def resolve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
+    fill_defaults(args, SMOKE_DEFAULTS, GPU_DEFAULTS, ANCHORS)
+    if args.tokens < args.seqlen:
+        parser.error(f"--tokens {args.tokens} is less than one sequence of --seqlen {args.seqlen}")
+    for headdim in args.headdims:
+        heads = args.heads or args.hidden // headdim
+        if args.heads is None and args.hidden % headdim:
+            parser.error(f"--hidden {args.hidden} is not a multiple of head dim {headdim} (or pass --heads)")
+        if args.heads_k is not None and (args.heads_k < 1 or heads % args.heads_k):
+            parser.error(f"--heads-k {args.heads_k} does not divide {heads} query heads (head dim {headdim})")
+    check_smoke_sizes(parser, args, (args.seqlen, args.tokens, *args.headdims))
+    return args
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    torch = require_torch(PROG)
+    smoke = args.interpret_smoke
+    device = run_device(args, PROG)
+    torch.set_float32_matmul_precision("highest")
+    dtype = getattr(torch, DTYPES[args.dtype])
+    tolerance = TOLERANCE[args.dtype]
+    systems = ["flashtile", *args.anchors]
+    batch = args.tokens // args.seqlen
+    meta = collect_meta(command, device, {
+        "bench": "options", "interpret_smoke": smoke, "anchors": {n: f"run ({ANCHORS[n]})" for n in args.anchors},
+        "systems": systems, "dtype": args.dtype, "timing": not smoke, "tolerance": tolerance, "seqlen": args.seqlen,
+        "batch": batch, "hidden": args.hidden, "heads": args.heads, "heads_k": args.heads_k, "window": args.window,
+        "softcap": args.softcap, "sets": args.sets, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms})
+    out_dir = check_out_dir(args.out or default_out_dir("options", meta["gpu"]))
+    progress = Progress(len(args.headdims) * len(args.sets) * len(systems) * len(args.modes))
+    where = meta["gpu"] or "CPU, TRITON_INTERPRET=1"
+    progress.note(f"{where} | torch {meta['torch']} triton {meta['triton']} | b={batch} s={args.seqlen} -> {out_dir}")
+    if not smoke:
+        warm_up_gpu(args.gpu_warmup_s)
+    records: list[dict] = []
+    for headdim in args.headdims:
+        nheads = args.heads or args.hidden // headdim
+        nheads_k = args.heads_k or nheads
+        for name in args.sets:
+            options = option_set(name, args.window, args.softcap)
+            problem = Problem(batch, args.seqlen, nheads, nheads_k, headdim, options, dtype, device)
+            ref = reference(problem, with_grads="fwd_bwd" in args.modes)
+            pairs = visible_pairs(args.seqlen, options)
+            for system in systems:
+                base = dict(system=system, headdim=headdim, nheads=nheads, nheads_k=nheads_k, set=name,
+                            causal_shaped=causal_shaped(options), visible_pairs=pairs)
+                try:
+                    attn = SYSTEMS[system](problem)
+                    errors = check(system, attn, problem, ref)
+                except Exception as exc:  # a system that cannot run this set: reported, not fatal
+                    attn, errors, reason = None, None, failure_reason(exc)
+                for mode in args.modes:
+                    record = dict(base, mode=mode, ms=None, tflops=None, rel_errs=errors,
+                                  rel_err=max(errors.values()) if errors else None, ok=None, skipped=None)
+                    if errors:
+                        record["ok"] = record["rel_err"] < tolerance
+                    if attn is None:
+                        record["skipped"] = reason
+                    elif not smoke:
+                        try:
+                            record["ms"] = do_bench_ms(timed(attn, problem, mode), args.warmup_ms, args.rep_ms)
+                            work = 4.0 * batch * nheads * headdim * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
+                            record["tflops"] = work / (record["ms"] * 1e-3) / 1e12
+                        except Exception as exc:
+                            record["skipped"] = "timing failed: " + failure_reason(exc)
+                    records.append(record)
+                    shown = (f"{record['tflops']:7.1f} TFLOP/s ({record['ms']:.3f} ms)" if record["tflops"]
+                             else f"skipped: {record['skipped']}" if record["skipped"] else "checked")
+                    err = f", err {record['rel_err']:.1e} {'ok' if record['ok'] else 'FAIL'}" if errors else ""
+                    progress.step(f"{system:<9} d={headdim} h={nheads}/{nheads_k} {name:<14} {mode:<7} {shown}{err}")
+            write_json(out_dir / "options.json", meta, records, complete=False)
+            del problem, ref
+            free_device_memory(device)
+
+    table = build_table(records, systems, timing=not smoke)
+    write_json(out_dir / "options.json", meta, records, complete=True)
+    details = [f"- b={batch} x {args.seqlen} tokens, {args.dtype}, window {args.window}, softcap {args.softcap}; "
+               + ("cells: TFLOP/s on the pairs the options leave visible" if not smoke
+                  else "cells: max rel. error vs float32 reference")
+               + "; ft/plain = flashtile / its plain attention of the same mask class, ft/x = flashtile / x, "
+                 "same run"]
+    write_markdown(out_dir / "options.md", "flashtile options benchmark", meta, details, table)
+    if not smoke:
+        save_plot(draw_plot(records, systems, f"options, b={batch} s={args.seqlen}, {meta['gpu']}"),
+                  out_dir / "options.png")
+    print(f"\n== options | {where} | results in {out_dir}", flush=True)
+    print(render_text(table), flush=True)
+    flashtile_bad = any(r["system"] == "flashtile" and (r["ok"] is False or r["skipped"]) for r in records)
+    return 1 if flashtile_bad else 0
