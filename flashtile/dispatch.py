@@ -8,6 +8,7 @@ take tensors, a :class:`~flashtile.options.ScoreParams` and, for packed batches,
 :class:`~flashtile.options.PackedSeqs`.
 """
 
+import dataclasses
 import functools
 import warnings
 from typing import Callable, Optional, Tuple
@@ -50,30 +51,36 @@ def _warn_gluon_fallback(reason: str) -> None:
                   "`python -m flashtile.env` prints the details.", RuntimeWarning, stacklevel=3)
 
 
-def hopper_takes(kernel: str, params: ScoreParams) -> bool:
-    """Whether the Hopper kernel ``kernel`` computes these score options: the forward every one but
-    dropout (softcap, ALiBi, sliding windows), the backward plain or causal attention."""
-    if kernel == FWD_GLUON:
-        return params.dropout_p == 0.0 and params.softmax_scale > 0
-    return params.plain
-
-
-def _options_off_hopper(kernel: str, params: ScoreParams) -> str:
-    """Names the options that keep ``params`` off the Hopper kernel ``kernel`` (the rule itself is
-    hopper_takes)."""
+def _score_options(params: ScoreParams) -> list:
+    """The names of the options on top of plain or causal attention that ``params`` sets (dropout aside)."""
     options = []
+    if params.softcap > 0.0:
+        options.append(f"softcap={params.softcap}")
+    if params.alibi_slopes is not None:
+        options.append("ALiBi (alibi_slopes)")
+    if params.window_left >= 0 or params.window_right not in (-1, 0):
+        options.append(f"a sliding window (window_size=({params.window_left}, {params.window_right}))")
+    return options
+
+
+def hopper_takes(kernel: str, params: ScoreParams, head_dim: int) -> bool:
+    """Whether the Hopper kernel ``kernel`` computes these score options: anything but dropout (and a
+    scale <= 0), except that the backward's head-dim-256 kernel (head dims above 128) takes no softcap,
+    ALiBi or window."""
+    if params.dropout_p > 0.0 or params.softmax_scale <= 0:
+        return False
+    return kernel == FWD_GLUON or padded_head_dim(head_dim) <= 128 or not _score_options(params)
+
+
+def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
+    """Why ``params`` keeps off the Hopper kernel ``kernel``, in the user's terms (the rule itself is
+    hopper_takes)."""
     if params.dropout_p > 0.0:
-        options.append(f"dropout (dropout_p={params.dropout_p})")
-    if kernel == BWD_GLUON:
-        if params.softcap > 0.0:
-            options.append(f"softcap={params.softcap}")
-        if params.alibi_slopes is not None:
-            options.append("ALiBi (alibi_slopes)")
-        if params.window_left >= 0 or params.window_right not in (-1, 0):
-            options.append(f"a sliding window (window_size=({params.window_left}, {params.window_right}))")
+        return f"dropout (dropout_p={params.dropout_p}): the Hopper kernels take no dropout"
     if params.softmax_scale <= 0:
-        options.append(f"softmax_scale={params.softmax_scale} <= 0")
-    return " and ".join(options) or "these score options"
+        return f"softmax_scale={params.softmax_scale} <= 0: the Hopper kernels take positive scales"
+    return (f"{' and '.join(_score_options(params))} at head dim {head_dim}: the Hopper backward takes score "
+            "options at head dims up to 128 (its head-dim-256 kernel takes plain or causal attention only)")
 
 
 def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None, *,
@@ -102,11 +109,8 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
     if kernel == BWD_GLUON and deterministic:
         return None, ("deterministic=True: the Hopper backward adds dQ up with float32 atomics in no fixed "
                       "order; the portable backward sums every gradient in a fixed order")
-    if not hopper_takes(kernel, params):
-        takes = ("softcap, ALiBi and sliding windows but not dropout" if kernel == FWD_GLUON else
-                 "plain or causal attention only")
-        direction = "forward" if kernel == FWD_GLUON else "backward"
-        return None, f"{_options_off_hopper(kernel, params)}: the Hopper {direction} takes {takes}"
+    if not hopper_takes(kernel, params, q.shape[-1]):
+        return None, _options_off_hopper(kernel, params, q.shape[-1])
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
@@ -418,17 +422,20 @@ def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gl
     chunks = gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim)
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
     for h0, h1, hk0, hk1 in chunks:
+        chunk_params = params
         if len(chunks) == 1:
             chunk = (q, k, v, out, dout, lse, dq, dk, dv)
         else:
             chunk = (q[:, :, h0:h1], k[:, :, hk0:hk1], v[:, :, hk0:hk1], out[:, :, h0:h1], dout[:, :, h0:h1],
                      lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
+            if params.alibi_slopes is not None:  # the chunk's heads' slopes ((h,) or (b, h))
+                chunk_params = dataclasses.replace(params, alibi_slopes=params.alibi_slopes[..., h0:h1])
 
-        def run_gluon(cfg, chunk=chunk):
-            GluonBackward(*chunk, params, cfg, pre_cfg, seqs)(*chunk, params, seqs)
+        def run_gluon(cfg, chunk=chunk, chunk_params=chunk_params):
+            GluonBackward(*chunk, chunk_params, cfg, pre_cfg, seqs)(*chunk, chunk_params, seqs)
         cfg = _tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[BWD_GLUON], run_gluon)
-        plan = GluonBackward(*chunk, params, cfg, pre_cfg, seqs)
-        plan(*chunk, params, seqs)
+        plan = GluonBackward(*chunk, chunk_params, cfg, pre_cfg, seqs)
+        plan(*chunk, chunk_params, seqs)
     if copy_back is not None:
         copy_back()
     return plan if len(chunks) == 1 and dout is dout_given and copy_back is None else None

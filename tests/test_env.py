@@ -130,18 +130,21 @@ def _slopes():
     (dict(window_size=(16, 16)), "sliding window"),
 ], ids=["dropout", "softcap", "alibi", "window"])
 def test_explain_options_off_the_hopper_path(options, expected):
-    """Dropout keeps both directions off the Hopper kernels; softcap, ALiBi and windows only the
-    backward (the Hopper forward takes them)."""
+    """Dropout keeps both directions off the Hopper kernels; softcap, ALiBi and windows run on them,
+    but for the head-dim-256 backward."""
     if options.get("alibi_slopes") == "slopes":
         options = dict(alibi_slopes=_slopes())
     explanation = flashtile.explain(*_dense(), causal=True, device_capability=SM90, **options)
-    assert explanation.backward.path == "portable" and expected in explanation.backward.reason
     if expected == "dropout":
-        assert explanation.forward.path == "portable" and expected in explanation.forward.reason
+        for choice in (explanation.forward, explanation.backward):
+            assert choice.path == "portable" and expected in choice.reason, choice.reason
         assert explanation.forward.kernel == "attn_fwd_kernel"
-    else:
-        assert explanation.forward.path == "hopper", explanation.forward.reason
-        assert explanation.forward.kernel == "gluon_attn_fwd_kernel"
+        return
+    assert explanation.forward.path == explanation.backward.path == "hopper", explanation
+    assert explanation.forward.kernel == "gluon_attn_fwd_kernel"
+    wide = flashtile.explain(*_dense(head_dim=256), causal=True, device_capability=SM90, **options)
+    assert wide.forward.path == "hopper" and wide.backward.path == "portable", wide
+    assert expected in wide.backward.reason and "head dim 256" in wide.backward.reason
 
 
 @pytest.mark.parametrize("dtype,head_dim,expected", [(torch.bfloat16, 40, "head dim 40"),

@@ -2,9 +2,10 @@
 and ALiBi ((h,) and (b, h) slopes), alone and together, with GQA and packed batches.
 
 Every case first asks flashtile.explain where the call goes and fails if an option leaves the Hopper
-forward (on CPU it asks for an sm90 device; the numbers then come from the portable kernels through
-the interpreter, which test_attention covers, so the CPU run checks the routing alone). On an H100 /
-H200 the call runs and is checked against float64: output, lse and gradients."""
+forward, or the Hopper backward at head dims up to 128 (on CPU it asks for an sm90 device; the numbers
+then come from the portable kernels through the interpreter, which test_attention covers, so the CPU
+run checks the routing alone). On an H100 / H200 the call runs and is checked against float64:
+output, lse and gradients."""
 
 import functools
 
@@ -47,10 +48,13 @@ def _options(causal, window_size, softcap, alibi, batch, nheads, scale_logits=1.
     return dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=slopes)
 
 
-def _assert_hopper_forward(q, k, v, **options):
+def _assert_hopper_path(q, k, v, **options):
+    """The forward on the Hopper kernels, and the backward too up to head dim 128."""
     capability = None if ON_GPU else (9, 0)
     explanation = flashtile.explain(q, k, v, device_capability=capability, **options)
     assert explanation.forward.path == "hopper", explanation.forward.reason
+    backward = "hopper" if q.shape[-1] <= 128 else "portable"
+    assert explanation.backward.path == backward, explanation.backward.reason
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256] if ON_GPU else [64])
@@ -65,7 +69,7 @@ def test_dense_options_on_hopper(head_dim, seqlen_q, seqlen_k, causal, window_si
     options = _options(causal, window_size, softcap, alibi, 2, nheads)
     if not ON_GPU and options["alibi_slopes"] is not None:
         options["alibi_slopes"] = options["alibi_slopes"].to("meta")
-    _assert_hopper_forward(q, k, v, **options)
+    _assert_hopper_path(q, k, v, **options)
     if not ON_HOPPER:
         return
     with torch.no_grad():
@@ -79,7 +83,7 @@ def test_dense_options_on_hopper(head_dim, seqlen_q, seqlen_k, causal, window_si
 def test_gqa_options_on_hopper(dtype, causal, window_size, softcap, alibi):
     q, k, v = make_qkv(2, 777, 1301, 8, 2, 128, dtype)
     options = _options(causal, window_size, softcap, alibi, 2, 8)
-    _assert_hopper_forward(q, k, v, **options)
+    _assert_hopper_path(q, k, v, **options)
     check_against_reference(flash_attn_func, q, k, v, **options)
 
 
@@ -98,7 +102,7 @@ def test_varlen_options_on_hopper(causal, window_size, softcap, alibi):
     packed = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
     options = _options(causal, window_size, softcap, alibi, len(lengths_q), 8)
     explanation = flashtile.explain(q, k, v, **packed, **options)
-    assert explanation.forward.path == "hopper", explanation.forward.reason
+    assert explanation.forward.path == explanation.backward.path == "hopper", explanation
     fn = functools.partial(flash_attn_varlen_func, **packed)
     reference = functools.partial(attention_varlen_naive, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     check_against_reference(fn, q, k, v, reference=reference, **options)

@@ -202,6 +202,10 @@ def gluon_backward(cfg: GluonBwdConfig, causal: bool, varlen: bool, head_dim: in
                        "stride_dv_s": "dv_ss", "stride_dv_h": "dv_sh"})
     if cfg.overlap_convert and not varlen:
         params["done_counts"] = Pointer("counts")
+    if block_d != 256:
+        # The C library's Hopper backward takes no window, softcap or ALiBi (their entries are portable).
+        params.update({"window_left": "0", "window_right": "0", "softcap_scale": ("float", "0.0"),
+                       "softcap_log2": ("float", "0.0"), "stride_alibi_b": "0"})
     kernel = "gluon_attn_bwd_d256_kernel" if block_d == 256 else "gluon_attn_bwd_kernel"
     return Binding(kernel, grid, params)
 

@@ -223,7 +223,8 @@ def call_launches(spec: CallSpec, direction: str, config: Optional[str] = None,
     gluon_kernel = FWD_GLUON if direction == "fwd" else BWD_GLUON
     path, cfg, notes, reason = choice.path, choice.config, [], choice.reason
     if config not in (None, "", "table") and path != "hopper" and config in candidates(gluon_kernel, head_dim):
-        problem = qkv_unsupported(q, k, v) or (None if hopper_takes(gluon_kernel, params) else "its score options")
+        problem = qkv_unsupported(q, k, v) or (None if hopper_takes(gluon_kernel, params, head_dim)
+                                               else "its score options")
         if problem:
             raise ValueError(f"--config {config} is a Hopper config, but this call cannot take the Hopper path: "
                              f"{problem}")
@@ -314,6 +315,13 @@ def _params(causal: bool) -> ScoreParams:
     return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1)
 
 
+def _option_params(causal: bool, batch: int, nheads: int) -> ScoreParams:
+    """Every score option the Hopper kernels take, at once: a sliding window (ending at the diagonal
+    when causal), softcap and (b, h) ALiBi slopes."""
+    return ScoreParams(softmax_scale=0.1, softcap=30.0, window_left=512 if causal else 256,
+                       window_right=0 if causal else 256, alibi_slopes=_empty(batch, nheads, dtype=torch.float32))
+
+
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper forward: a dense batch, a packed one, and a dense batch with
     every score option at once (a sliding window, softcap, (b, h) ALiBi slopes)."""
@@ -323,16 +331,15 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     qv = _empty(1, 3000, h, d, dtype=dtype)
     outv, lsev = torch.empty_like(qv), _empty(1, h, 3000, dtype=torch.float32)
     seqs = PackedSeqs(_ints([0, 1000, 3000]), _ints([0, 1000, 3000]), 2000, 2000)
-    params = _params(causal)
-    options = ScoreParams(softmax_scale=0.1, softcap=30.0, window_left=512 if causal else 256,
-                          window_right=0 if causal else 256, alibi_slopes=_empty(2, h, dtype=torch.float32))
+    params, options = _params(causal), _option_params(causal, 2, h)
     return [("dense", lambda: gluon_forward(q, q, q, out, lse, params, cfg)),
             ("varlen", lambda: gluon_forward(qv, qv, qv, outv, lsev, params, cfg, seqs)),
             ("options", lambda: gluon_forward(q, q, q, out, lse, options, cfg))]
 
 
 def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
-    """(layout, build) of the Hopper backward (GQA: half as many KV heads), dense and packed."""
+    """(layout, build) of the Hopper backward (GQA: half as many KV heads), dense and packed, and up to
+    head dim 128 a dense batch with every score option."""
     h, hk = 2048 // d, 2048 // d // 2
     params = _params(causal)
     pre = table_config(BWD_PREPROCESS, ARCH, d, causal, 4096, dtype)
@@ -344,8 +351,12 @@ def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
             torch.empty_like(k)
     dense, packed = tensors(2, 1024), tensors(1, 3000)
     seqs = PackedSeqs(_ints([0, 1000, 3000]), _ints([0, 1000, 3000]), 2000, 2000)
-    return [("dense", lambda: gluon_backward(*dense, params, cfg, pre)),
-            ("varlen", lambda: gluon_backward(*packed, params, cfg, pre, seqs))]
+    builds = [("dense", lambda: gluon_backward(*dense, params, cfg, pre)),
+              ("varlen", lambda: gluon_backward(*packed, params, cfg, pre, seqs))]
+    if d <= 128:
+        options = _option_params(causal, 2, h)
+        builds.append(("options", lambda: gluon_backward(*dense, options, cfg, pre)))
+    return builds
 
 
 def portable_fwd_builds(d: int, causal: bool, dtype) -> list:

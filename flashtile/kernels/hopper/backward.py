@@ -69,6 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import VERSION, barrier, reinterpret, tma_load, tma_reduce_add, tma_store
 from .block_info import query_block_range
+from .scores import alibi_slope_log2, modded_scores_log2
 from .seqlen_info import backward_sequence
 
 # wgmma's M per warpgroup: each consumer warpgroup owns this many keys.
@@ -150,7 +151,7 @@ def _past_used_rows(row_values, start, seqlen_q, fill, BLOCK: gl.constexpr, col_
 
 @gluon.jit
 def _mask_keys(x, keys, start, seqlen_k, diag, BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
-               col_layout: gl.constexpr):
+               col_layout: gl.constexpr, LOCAL: gl.constexpr = False, window_left=0, window_right=0):
     """x = S^T, or the start of its accumulator (rows: keys; columns: queries start + [0, BLOCK)),
     with -inf where the key is past seqlen_k or, when CAUSAL, after the query's diagonal (key <=
     query + diag visible). One compare per score: the column's offset (a constant per thread)
@@ -158,12 +159,17 @@ def _mask_keys(x, keys, start, seqlen_k, diag, BLOCK: gl.constexpr, CAUSAL: gl.c
     bound per score cost the d64 loop 2.4x its unmasked instructions: ptxas kept the predicates in
     packed registers.) Applied to the accumulator's start (-lse), the mask costs no register past
     the wgmma and the start's broadcast is the select's other operand: the d64 causal masked loop
-    went from 995 SASS instructions (26 spill instructions) to 878 (none)."""
+    went from 995 SASS instructions (26 spill instructions) to 878 (none). LOCAL: the query's
+    window too (key visible iff query + diag - window_left <= key <= query + diag + window_right)."""
     offsets = gl.arange(0, BLOCK, layout=col_layout)
     first = gl.where(keys < seqlen_k, 0, BLOCK)
     if CAUSAL:
         first = gl.maximum(first, keys - diag - start)
+    if LOCAL:
+        first = gl.maximum(first, keys - diag - window_right - start)
     keep = gl.expand_dims(offsets, 0) >= gl.expand_dims(first, 1)
+    if LOCAL:
+        keep = keep & (gl.expand_dims(offsets, 0) <= gl.expand_dims(keys - diag + window_left - start, 1))
     return gl.where(keep, x, float("-inf"))
 
 
@@ -188,7 +194,7 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
                  lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
                  k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
                  BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-                 it0=0):
+                 it0=0, LOCAL: gl.constexpr = False, window_left=0, window_right=0):
     """K, V of the key block at start_n, then the Q, dO (lse, delta) tiles of every query block that
     sees it through the ring, from ring position it0 on; returns the position after the last."""
     NKV: gl.constexpr = k_smem.shape[0]
@@ -200,7 +206,8 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
         tma_load(kv_desc_v, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
                                         v_smem.index(c))
 
-    m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL)
+    m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BN, CAUSAL, LOCAL,
+                                                    window_left, window_right)
     if IS_VARLEN:
         # lse / delta rows of a sequence start at any q_start, and a 1-D TMA box must start 16-byte
         # aligned: this warp loads them itself (rows past the sequence: lse +inf, so P = 0) and
@@ -252,9 +259,9 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
 @gluon.jit
 def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
             lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
-            cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
+            cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored, window_left, window_right,
             BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HEADS_FIRST: gl.constexpr):
+            HEADS_FIRST: gl.constexpr, LOCAL: gl.constexpr):
     # The key block is k_smem.shape[0] tiles of 64 keys (2 at d64/d128, 1 at d256).
     NKV: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = NKV * _KPC
@@ -270,12 +277,13 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
             _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                          v_smem, lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch,
                          tma_batch, q_start, k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
-                         lse_ptr, delta_ptr, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)
+                         lse_ptr, delta_ptr, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, 0, LOCAL, window_left,
+                         window_right)
     else:
         _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                      lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
                      k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
-                     BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN)
+                     BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, 0, LOCAL, window_left, window_right)
         if done_counts is not None:
             _count_cta_done(done_counts, stored, kv_head, HEADS_FIRST)
 
@@ -371,13 +379,17 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
                   s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, first_it=0,
-                  OPAQUE_KV: gl.constexpr = False):
+                  OPAQUE_KV: gl.constexpr = False, score=None, LOCAL: gl.constexpr = False,
+                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
     """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, and reduce-add the dQ
     of the block before each (its dS^T halves are in shared memory by then: the warpgroups need
     not meet every block, so one's elementwise phase can overlap the other's wgmmas). prev_row,
     prev_head: where that previous block's dQ goes (the caller drains the last one). first_it: the
     ring position of the key block's first query block (a persistent CTA's key blocks continue the
-    ring and the dS^T buffers' phases). OPAQUE_KV: index the K, V tiles with _opaque_zero."""
+    ring and the dS^T buffers' phases). OPAQUE_KV: index the K, V tiles with _opaque_zero.
+    score: (ALiBi slope, softcap scale, softcap, window left, window right) of SOFTCAP / ALIBI / LOCAL
+    (scores.py; the forward's _softmax_block takes the same). With softcap or ALiBi the scores are
+    formed from the raw S^T (the accumulator starts at 0, not -lse) and masked after the options."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     dtype: gl.constexpr = k_smem.dtype
     diag = seqlen_k - seqlen_q
@@ -386,6 +398,12 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse_to_score = 1.0 / qk_scale_log2
+    MODDED: gl.constexpr = SOFTCAP or ALIBI
+    if LOCAL or MODDED:
+        slope_log2, softcap_scale, softcap_log2, window_left, window_right = score
+    else:
+        window_left = 0
+        window_right = 0
 
     for m in range(m_start, m_stop):
         slot = it % NUM_STAGES
@@ -411,22 +429,40 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         if MASK:
             lse = _past_used_rows(lse, start_m, seqlen_q, float("inf"), BLOCK_M, col_layout)
             delta = _past_used_rows(delta, start_m, seqlen_q, 0.0, BLOCK_M, col_layout)
-        s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
-        if MASK:
-            # -inf in the accumulator's start stays -inf through the product: masked before the
-            # wgmma issues, off the path from S^T to P^T.
-            s_init = _mask_keys(s_init, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout)
+        if MODDED:
+            s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout)
+        else:
+            s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
+            if MASK:
+                # -inf in the accumulator's start stays -inf through the product: masked before the
+                # wgmma issues, off the path from S^T to P^T.
+                s_init = _mask_keys(s_init, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout, LOCAL,
+                                    window_left, window_right)
         dp_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
         s_tok = warpgroup_mma(k_cur, q_buf.permute([1, 0]), s_init, is_async=True)
         dp_tok = warpgroup_mma(v_cur, do_buf.permute([1, 0]), dp_init, is_async=True)
 
         # P^T while dP^T is still in flight.
         s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_cur, q_buf])
-        p = gl.exp2(s * qk_scale_log2)
+        if MODDED:
+            # query + diag - key, for ALiBi's distance.
+            offset = (gl.expand_dims(start_m + diag + gl.arange(0, BLOCK_M, layout=col_layout), 0)
+                      - gl.expand_dims(keys, 1))
+            s, t = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP,
+                                      ALIBI)
+            s = s - gl.expand_dims(lse, 0)
+            if MASK:
+                s = _mask_keys(s, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout, LOCAL, window_left,
+                               window_right)
+            p = gl.exp2(s)
+        else:
+            p = gl.exp2(s * qk_scale_log2)
         # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in
         # float32 dies before the dV/dK operands are materialised).
         dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_cur, do_buf])
         ds = p * dp_minus_delta
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
         ds = ds.to(dtype)
         p_op = gl.convert_layout(p.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
@@ -470,10 +506,13 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
                   dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
-                  it0=0, kv_empty=None):
+                  it0=0, kv_empty=None, batch=0, alibi_slopes=None, stride_alibi_b=0, window_left=0, window_right=0,
+                  softcap_scale=0.0, softcap_log2=0.0, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+                  ALIBI: gl.constexpr = False):
     """This warpgroup's share of the key block at start_n: its dK, dV over every query block that
     sees the key block, its share of their dQ. A persistent CTA (kv_empty given) starts at ring
-    position it0 with K, V already waited for, and returns the position after its last block."""
+    position it0 with K, V already waited for, and returns the position after its last block.
+    batch (the batch or packed sequence, for ALiBi's (b, h) slopes) onwards: the score options."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     DQ_N: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -487,7 +526,8 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     key0 = start_n + CONSUMER * _KPC
-    m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL)
+    m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL, LOCAL,
+                                                    window_left, window_right)
 
     dk = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
@@ -499,21 +539,23 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
     prev_head = 0
     for g in range(head_group):
         head = kv_head * head_group + g
+        score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
+                 window_left, window_right)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI)
 
     if it > it0:
         # dQ of the last query block.
@@ -600,9 +642,11 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
               seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
               cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-              stride_dv_h, stored, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+              stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes, stride_alibi_b,
+              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
-              COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+              COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
+              ALIBI: gl.constexpr):
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * _BN
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -617,7 +661,9 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                       q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
                       tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                       softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                      CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE)
+                      CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE, 0, None,
+                      gl.program_id(2), alibi_slopes, stride_alibi_b, window_left, window_right, softcap_scale,
+                      softcap_log2, LOCAL, SOFTCAP, ALIBI)
     if COUNT_DONE:
         _warpgroup_writes_landed(stored)
 
@@ -680,14 +726,18 @@ def _shared_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_de
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
-                              "stride_dk_h", "stride_dv_s", "stride_dv_h"])
+                              "stride_dk_h", "stride_dv_s", "stride_dv_h", "window_left", "window_right",
+                              "stride_alibi_b"])
 def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                           seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
                           dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h, done_counts,
                           BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
-                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+                          IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                          LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
+                          window_left=0, window_right=0, softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None,
+                          stride_alibi_b=0):
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = _shared_buffers(
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, BLOCK_M, NUM_STAGES)
 
@@ -701,18 +751,20 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                     stride_dv_h, stored, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE, HEADS_FIRST)),
+                     stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
+                     stride_alibi_b, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
+                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI)),
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
-                     stride_dv_h, stored, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE, HEADS_FIRST)),
+                     stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
+                     stride_alibi_b, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
+                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
-                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST)),
+                   window_left, window_right, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST, LOCAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 # ----------------------------------------------------------------------------------------------
@@ -1173,7 +1225,7 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
-                   BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST)),
+                   0, 0, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST, False)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 

@@ -2,6 +2,8 @@
 layouts, the float32 dQ accumulator and the launch plan of one call signature (main kernel, then
 the dQ convert)."""
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -9,6 +11,7 @@ from ...configs import GluonBwdConfig, padded_head_dim
 from ..plans import CompiledCall
 from .backward import (_DQ_N, BLOCK_N, KEYS_PER_CONSUMER, NUM_CONSUMERS, gluon_attn_bwd_d256_kernel,
                        gluon_attn_bwd_kernel, gluon_attn_bwd_persistent_kernel, gluon_bwd_dq_convert_kernel)
+from .forward_plan import band_sides
 from .tma import DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported, tma_aligned
 
 LOG2E = 1.4426950408889634
@@ -117,10 +120,19 @@ class BackwardPlan:
     key's job)."""
 
     def __init__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, softmax_scale, causal, config, *,
-                 cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k):
+                 cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k, softcap: float = 0.0,
+                 window_left: int = -1, window_right: int = -1, alibi_slopes=None):
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         cfg = config
+        local, window_left, window_right = band_sides(causal, window_left, window_right)
+        options = local or softcap > 0 or alibi_slopes is not None
+        if options:
+            # The score options live in the two-warpgroup kernel (head dims up to 128), not persistent.
+            assert padded_head_dim(head_dim) <= 128, "the d256 backward takes no score options"
+            cfg = replace(cfg, persistent=False)
+            causal = causal and not local
+        self.alibi = alibi_slopes is not None
         assert grads_supported(dout, dq, dk, dv)
         self.varlen = varlen = cu_seqlens_q is not None
         n_seqs = cu_seqlens_q.numel() - 1 if varlen else batch
@@ -154,6 +166,12 @@ class BackwardPlan:
                 slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
                        "delta_desc", "counter_ptr"))
         else:
+            # The two-warpgroup kernel takes the score options; the head-dim-256 one takes none.
+            options_arguments = {}
+            self.option_slots = kernel_fn is gluon_attn_bwd_kernel
+            if self.option_slots:
+                options_arguments = _option_arguments(softmax_scale, local, window_left, window_right, softcap,
+                                                      alibi_slopes)
             self.main = CompiledCall(
                 kernel_fn, grid,
                 (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
@@ -161,10 +179,11 @@ class BackwardPlan:
                 dict(done_counts=None, dk_ptr=None, stride_dk_s=row_strides[0], stride_dk_h=row_strides[1],
                      dv_ptr=None, stride_dv_s=row_strides[2], stride_dv_h=row_strides[3], BLOCK_M=cfg.block_m,
                      NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
-                     CAUSAL=bool(causal), IS_VARLEN=varlen, HEADS_FIRST=heads_first, num_warps=4, **extra),
+                     CAUSAL=bool(causal), IS_VARLEN=varlen, HEADS_FIRST=heads_first, num_warps=4,
+                     **options_arguments, **extra),
                 slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
                        "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
-                       "dv_ptr", "done_counts"))
+                       "dv_ptr", "done_counts") + (("alibi_slopes",) if self.option_slots else ()))
         # Dense batches may overlap the convert with the kernel's last CTAs (see "The dQ convert
         # overlapped with the kernel's last CTAs"): each CTA counts itself in once.
         self.overlap_convert = cfg.overlap_convert and not varlen and self.main is not None and not self.persistent
@@ -185,7 +204,7 @@ class BackwardPlan:
         return tuple(template(t) for template, t in zip(self.templates, tensors))
 
     def launch(self, descriptors, dq, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_q=None, done_counts=None):
+               seqused_q=None, done_counts=None, alibi_slopes=None):
         """Runs the backward into dq_acc (zeroed by the caller), dk, dv, then dq <- dq_acc * scale, with
         descriptors from :meth:`descriptors`. done_counts: if needs_counts, the int32 (b, nheads_k)
         counts from done_counts_buffer, zeroed by the caller (a persistent plan draws its units from
@@ -197,16 +216,28 @@ class BackwardPlan:
             if self.persistent:
                 kernel = self.main(*descriptors, done_counts)
                 done_counts = None  # not done counts: the convert runs after the kernel
-            elif self.varlen:
-                kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv, None)
             else:
-                kernel = self.main(*descriptors, None, None, None, None, None, None, None, done_counts)
+                slopes = (alibi_slopes,) if self.option_slots else ()
+                if self.varlen:
+                    kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv,
+                                       None, *slopes)
+                else:
+                    kernel = self.main(*descriptors, None, None, None, None, None, None, None, done_counts, *slopes)
         self.convert(dq_acc, dq, cu_seqlens_q[self.n_seqs:] if self.varlen else None, done_counts)
         return kernel
 
     def __call__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, done_counts=None, **varlen):
         descriptors = self.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
         return self.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts, **varlen)
+
+
+def _option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes) -> dict:
+    """The two-warpgroup kernel's score-option arguments (forward_plan's, in the backward's names)."""
+    assert alibi_slopes is None or (alibi_slopes.dtype == torch.float32 and alibi_slopes.stride(-1) == 1)
+    return dict(LOCAL=local, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, window_left=window_left,
+                window_right=window_right, softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0,
+                softcap_log2=softcap * LOG2E if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
+                stride_alibi_b=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0)
 
 
 def done_counts_buffer(q, k, device=None) -> torch.Tensor:

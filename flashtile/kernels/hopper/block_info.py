@@ -65,12 +65,21 @@ def key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: 
 
 @gluon.jit
 def query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr):
+                      CAUSAL: gl.constexpr, LOCAL: gl.constexpr = False, window_left=0, window_right=0):
     """(m_lo, m_full, m_tail, m_end): query blocks [m_lo, m_full) and [m_tail, m_end) need the
-    mask, [m_full, m_tail) do not."""
+    mask, [m_full, m_tail) do not. LOCAL: a sliding window (key_block_band's sides; CAUSAL off)."""
     m_end = gl.cdiv(seqlen_q, BLOCK_M)
-    if CAUSAL:
-        diag = seqlen_k - seqlen_q
+    diag = seqlen_k - seqlen_q
+    if LOCAL:
+        # Query i sees key j iff j - diag - window_right <= i <= j - diag + window_left: the block is
+        # seen by rows start_n - diag - window_right ..= start_n + BLOCK_N - 1 - diag + window_left,
+        # and wholly by rows start_n + BLOCK_N - 1 - diag - window_right ..= start_n - diag + window_left.
+        m_end = gl.minimum(gl.cdiv(gl.maximum(start_n + BLOCK_N - diag + window_left, 0), BLOCK_M), m_end)
+        m_lo = gl.minimum(gl.maximum(start_n - diag - window_right, 0) // BLOCK_M, m_end)
+        m_full = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - diag - window_right, 0), BLOCK_M),
+                                       m_end), m_lo)
+        free_end = gl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M
+    elif CAUSAL:
         # Query i sees key j iff j <= i + diag: the block's first key is seen from row start_n - diag,
         # all its keys from row start_n + BLOCK_N - 1 - diag on.
         m_lo = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, m_end)
@@ -82,5 +91,8 @@ def query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_
         # Ragged key block: keys past seqlen_k (zero-filled K) must not get probability mass.
         m_full = m_end
     # A ragged last query block is masked too: its lse / delta boxes run into the next head's rows.
-    m_tail = gl.maximum(m_full, seqlen_q // BLOCK_M)
+    if LOCAL:
+        m_tail = gl.maximum(m_full, gl.minimum(free_end, seqlen_q // BLOCK_M))
+    else:
+        m_tail = gl.maximum(m_full, seqlen_q // BLOCK_M)
     return m_lo, m_full, m_tail, m_end

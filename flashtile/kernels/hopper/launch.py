@@ -67,6 +67,8 @@ class GluonBackward:
         dq_acc = dq_accumulator(q, device="meta")
         self.kernels = BackwardPlan(q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, params.softmax_scale,
                                     params.causal, cfg, max_seqlen_k=grid_lengths(q, k, seqs)[2],
+                                    softcap=params.softcap, window_left=params.window_left,
+                                    window_right=params.window_right, alibi_slopes=params.alibi_slopes,
                                     **gluon_seq_tensors(seqs))
         done_counts = self._done_counts(q, k, device="meta")
         self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
@@ -86,7 +88,7 @@ class GluonBackward:
         descriptors = self.kernels.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
         self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, done_counts, *preprocess_seq_tensors(seqs))
         self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts,
-                            **gluon_seq_tensors(seqs))
+                            alibi_slopes=params.alibi_slopes, **gluon_seq_tensors(seqs))
 
 
 def gluon_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:
