@@ -376,3 +376,48 @@ def write_json(path: Path, meta: dict, records: list, complete: bool) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
     os.replace(tmp, path)
+
+
+def check_heads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--heads / --hidden / --heads-k fit every head dim of --headdims (an error naming the flag if not)."""
+    for headdim in args.headdims:
+        heads = args.heads or args.hidden // headdim
+        if args.heads is None and args.hidden % headdim:
+            parser.error(f"--hidden {args.hidden} is not a multiple of head dim {headdim} (or pass --heads)")
+        if args.heads_k is not None and (args.heads_k < 1 or heads % args.heads_k):
+            parser.error(f"--heads-k {args.heads_k} does not divide {heads} query heads (head dim {headdim})")
+
+
+def mode_records(base: dict, modes, attn, errors, failure: str | None, tolerance: float, timing: bool,
+                 bench: Callable[[str], Callable[[], object]], flops_of: Callable[[str], float],
+                 warmup_ms: float, rep_ms: float) -> list[dict]:
+    """One record per mode of a checked system: ``base`` plus its errors (None when not checked),
+    and when ``timing`` its median time of ``bench(mode)`` and TFLOP/s of ``flops_of(mode)``.
+    ``attn`` None: the system could not run, ``failure`` says why."""
+    records = []
+    for mode in modes:
+        record = dict(base, mode=mode, ms=None, tflops=None, rel_errs=errors,
+                      rel_err=max(errors.values()) if errors else None, ok=None, skipped=None)
+        if errors:
+            record["ok"] = record["rel_err"] < tolerance
+        if attn is None:
+            record["skipped"] = failure
+        elif timing:
+            try:
+                record["ms"] = do_bench_ms(bench(mode), warmup_ms, rep_ms)
+                record["tflops"] = flops_of(mode) / (record["ms"] * 1e-3) / 1e12
+            except Exception as exc:
+                record["skipped"] = "timing failed: " + failure_reason(exc)
+        records.append(record)
+    return records
+
+
+def timed_call(attn, inputs, mode: str) -> Callable[[], object]:
+    """What do_bench times for ``attn`` on inputs with q, k, v, dout attributes: the forward alone
+    ("fwd"), or the forward and the gradients of q, k, v ("fwd_bwd")."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(mode == "fwd_bwd") for t in (inputs.q, inputs.k, inputs.v)]
+    if mode == "fwd":
+        return lambda: attn(*leaves)
+    return lambda: torch.autograd.grad(attn(*leaves), leaves, inputs.dout)

@@ -19,11 +19,12 @@ class (causal-shaped sets against plain-causal, the others against plain-full), 
 from __future__ import annotations
 
 import argparse
+import functools
 
-from .common import (add_common_arguments, check_out_dir, check_smoke_sizes, choice_list, collect_meta,
-                     default_out_dir, do_bench_ms, failure_reason, fill_defaults, free_device_memory, parse_size,
+from .common import (check_heads, mode_records, timed_call, add_common_arguments, check_out_dir, check_smoke_sizes, choice_list, collect_meta,
+                     default_out_dir, failure_reason, fill_defaults, free_device_memory, parse_size,
                      Progress, relative_error, require_torch, run_device, size_list, warm_up_gpu, write_json)
-from .report import Table, geomean, render_text, save_plot, skipped_notes, write_markdown
+from .report import Table, geomean, grouped_bars, render_text, save_plot, skipped_notes, write_markdown
 
 PROG = "python -m flashtile bench options"
 MODES = ("fwd", "fwd_bwd")
@@ -184,15 +185,6 @@ def check(name: str, attn, p: Problem, ref: dict) -> dict[str, float]:
     return errors
 
 
-def timed(attn, p: Problem, mode: str):
-    import torch
-
-    leaves = [t.detach().requires_grad_(mode == "fwd_bwd") for t in (p.q, p.k, p.v)]
-    if mode == "fwd":
-        return lambda: attn(*leaves)
-    return lambda: torch.autograd.grad(attn(*leaves), leaves, p.dout)
-
-
 def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
     others = [s for s in systems if s != "flashtile"]
     header = ["hdim", "heads", "set", "mode", *systems, "ft/plain", *(f"ft/{s}" for s in others), "ok"]
@@ -241,23 +233,9 @@ def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
 
 def draw_plot(records: list[dict], systems: list[str], title: str):
     """Bars of TFLOP/s on visible pairs, one group per (head dim, set, mode)."""
-
-    def draw(plt):
-        groups = sorted({(r["headdim"], SETS.index(r["set"]), r["mode"]) for r in records})
-        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(groups)), 4))
-        width = 0.8 / len(systems)
-        for i, system in enumerate(systems):
-            values = [next((r["tflops"] or 0 for r in records if r["system"] == system and
-                            (r["headdim"], SETS.index(r["set"]), r["mode"]) == g), 0) for g in groups]
-            ax.bar([x + i * width for x in range(len(groups))], values, width, label=system)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
-        ax.set_xticklabels([f"d{d}\n{SETS[s]}\n{m}" for d, s, m in groups], fontsize=6)
-        ax.set_ylabel("TFLOP/s on visible pairs")
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
-        return fig
-
-    return draw
+    return grouped_bars(records, systems, lambda r: (r["headdim"], SETS.index(r["set"]), r["mode"]),
+                        lambda g: f"d{g[0]}\n{SETS[g[1]]}\n{g[2]}", "TFLOP/s on visible pairs", title,
+                        group_width=0.9, label_size=6)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -283,12 +261,7 @@ def resolve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser)
     fill_defaults(args, SMOKE_DEFAULTS, GPU_DEFAULTS, ANCHORS)
     if args.tokens < args.seqlen:
         parser.error(f"--tokens {args.tokens} is less than one sequence of --seqlen {args.seqlen}")
-    for headdim in args.headdims:
-        heads = args.heads or args.hidden // headdim
-        if args.heads is None and args.hidden % headdim:
-            parser.error(f"--hidden {args.hidden} is not a multiple of head dim {headdim} (or pass --heads)")
-        if args.heads_k is not None and (args.heads_k < 1 or heads % args.heads_k):
-            parser.error(f"--heads-k {args.heads_k} does not divide {heads} query heads (head dim {headdim})")
+    check_heads(parser, args)
     check_smoke_sizes(parser, args, (args.seqlen, args.tokens, *args.headdims))
     return args
 
@@ -325,26 +298,19 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             for system in systems:
                 base = dict(system=system, headdim=headdim, nheads=nheads, nheads_k=nheads_k, set=name,
                             causal_shaped=causal_shaped(options), visible_pairs=pairs)
+                reason = None
                 try:
                     attn = SYSTEMS[system](problem)
                     errors = check(system, attn, problem, ref)
                 except Exception as exc:  # a system that cannot run this set: reported, not fatal
                     attn, errors, reason = None, None, failure_reason(exc)
-                for mode in args.modes:
-                    record = dict(base, mode=mode, ms=None, tflops=None, rel_errs=errors,
-                                  rel_err=max(errors.values()) if errors else None, ok=None, skipped=None)
-                    if errors:
-                        record["ok"] = record["rel_err"] < tolerance
-                    if attn is None:
-                        record["skipped"] = reason
-                    elif not smoke:
-                        try:
-                            record["ms"] = do_bench_ms(timed(attn, problem, mode), args.warmup_ms, args.rep_ms)
-                            work = 4.0 * batch * nheads * headdim * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
-                            record["tflops"] = work / (record["ms"] * 1e-3) / 1e12
-                        except Exception as exc:
-                            record["skipped"] = "timing failed: " + failure_reason(exc)
+                work = 4.0 * batch * nheads * headdim * pairs
+                for record in mode_records(base, args.modes, attn, errors, reason, tolerance, not smoke,
+                                           functools.partial(timed_call, attn, problem),
+                                           lambda mode: work * (3.5 if mode == "fwd_bwd" else 1.0),
+                                           args.warmup_ms, args.rep_ms):
                     records.append(record)
+                    mode = record["mode"]
                     shown = (f"{record['tflops']:7.1f} TFLOP/s ({record['ms']:.3f} ms)" if record["tflops"]
                              else f"skipped: {record['skipped']}" if record["skipped"] else "checked")
                     err = f", err {record['rel_err']:.1e} {'ok' if record['ok'] else 'FAIL'}" if errors else ""

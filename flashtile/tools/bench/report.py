@@ -113,3 +113,27 @@ def save_plot(draw: Callable[[object], object], path: Path, rect=None) -> str:
             message = f"no {path.name}: {type(exc).__name__}: {exc}"
     print(message, file=sys.stderr, flush=True)
     return message
+
+
+def grouped_bars(records: list[dict], systems: list[str], group_of: Callable[[dict], tuple],
+                 label_of: Callable[[tuple], str], ylabel: str, title: str, group_width: float = 1.6,
+                 label_size: int = 8) -> Callable[[object], object]:
+    """A save_plot drawing: one bar per system in each group of records (group_of(record), sorted),
+    the bar's height the record's TFLOP/s (0 when absent)."""
+
+    def draw(plt):
+        groups = sorted({group_of(r) for r in records})
+        fig, ax = plt.subplots(figsize=(max(6, group_width * len(groups)), 4))
+        width = 0.8 / len(systems)
+        for i, system in enumerate(systems):
+            values = [next((r["tflops"] or 0 for r in records if r["system"] == system and group_of(r) == g), 0)
+                      for g in groups]
+            ax.bar([x + i * width for x in range(len(groups))], values, width, label=system)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+        ax.set_xticklabels([label_of(g) for g in groups], fontsize=label_size)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+        return fig
+
+    return draw

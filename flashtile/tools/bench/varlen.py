@@ -18,14 +18,15 @@ against a float32 reference run on each sequence alone before it is timed.
 from __future__ import annotations
 
 import argparse
+import functools
 import contextlib
 import random
 
 from . import anchors
-from .common import (fill_defaults, CAUSAL_CHOICES, add_common_arguments, check_out_dir, check_smoke_sizes, choice_list,
-                     collect_meta, default_out_dir, do_bench_ms, failure_reason, free_device_memory, parse_size,
+from .common import (check_heads, mode_records, timed_call, fill_defaults, CAUSAL_CHOICES, add_common_arguments, check_out_dir, check_smoke_sizes, choice_list,
+                     collect_meta, default_out_dir, failure_reason, free_device_memory, parse_size,
                      Progress, relative_error, require_torch, run_device, size_list, warm_up_gpu, write_json)
-from .report import Table, geomean, render_text, save_plot, skipped_notes, write_markdown
+from .report import Table, geomean, grouped_bars, render_text, save_plot, skipped_notes, write_markdown
 
 PROG = "python -m flashtile bench varlen"
 MODES = ("fwd", "fwd_bwd")
@@ -221,15 +222,6 @@ def check(name: str, attn, b: Batch, ref: dict) -> dict[str, float]:
     return errors
 
 
-def timed(attn, b: Batch, mode: str):
-    import torch
-
-    leaves = [t.detach().requires_grad_(mode == "fwd_bwd") for t in (b.q, b.k, b.v)]
-    if mode == "fwd":
-        return lambda: attn(*leaves)
-    return lambda: torch.autograd.grad(attn(*leaves), leaves, b.dout)
-
-
 def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
     others = [s for s in systems if s != "flashtile"]
     header = ["hdim", "heads", "causal", "mode", *systems, *(f"ft/{s}" for s in others), "ok"]
@@ -272,25 +264,9 @@ def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
 
 def draw_plot(records: list[dict], systems: list[str], title: str):
     """Bars of TFLOP/s on real tokens, one group per (head dim, heads, causal, mode)."""
-
-    def draw(plt):
-        groups = sorted({(r["headdim"], r["nheads"], r["nheads_k"], r["causal"], r["mode"]) for r in records})
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
-        width = 0.8 / len(systems)
-        for i, system in enumerate(systems):
-            values = [next((r["tflops"] or 0 for r in records if r["system"] == system
-                            and (r["headdim"], r["nheads"], r["nheads_k"], r["causal"], r["mode"]) == g), 0)
-                      for g in groups]
-            ax.bar([x + i * width for x in range(len(groups))], values, width, label=system)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
-        ax.set_xticklabels([f"d{d} h{h}/{hk}\n{'causal' if c else 'full'} {m}" for d, h, hk, c, m in groups],
-                           fontsize=8)
-        ax.set_ylabel("TFLOP/s on real tokens")
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
-        return fig
-
-    return draw
+    return grouped_bars(records, systems, lambda r: (r["headdim"], r["nheads"], r["nheads_k"], r["causal"], r["mode"]),
+                        lambda g: f"d{g[0]} h{g[1]}/{g[2]}\n{'causal' if g[3] else 'full'} {g[4]}",
+                        "TFLOP/s on real tokens", title)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -317,12 +293,7 @@ def resolve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser)
     args.causals = CAUSAL_CHOICES[args.causal]
     if args.min_len > args.max_len:
         parser.error(f"--min-len {args.min_len} is larger than --max-len {args.max_len}")
-    for headdim in args.headdims:
-        heads = args.heads or args.hidden // headdim
-        if args.heads is None and args.hidden % headdim:
-            parser.error(f"--hidden {args.hidden} is not a multiple of head dim {headdim} (or pass --heads)")
-        if args.heads_k is not None and (args.heads_k < 1 or heads % args.heads_k):
-            parser.error(f"--heads-k {args.heads_k} does not divide {heads} query heads (head dim {headdim})")
+    check_heads(parser, args)
     check_smoke_sizes(parser, args, (args.tokens, args.max_len, *args.headdims))
     return args
 
@@ -360,26 +331,18 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             ref = reference(batch)
             for name in systems:
                 base = dict(system=name, headdim=headdim, nheads=nheads, nheads_k=nheads_k, causal=causal)
+                reason = None
                 try:
                     attn = SYSTEMS[name](batch)
                     errors = None if name in UNCHECKED else check(name, attn, batch, ref)
                 except Exception as exc:  # a system that cannot build or run this batch: reported, not fatal
                     attn, errors, reason = None, None, failure_reason(exc)
-                for mode in args.modes:
-                    record = dict(base, mode=mode, ms=None, tflops=None, rel_errs=errors,
-                                  rel_err=max(errors.values()) if errors else None, ok=None, skipped=None)
-                    if errors:
-                        record["ok"] = record["rel_err"] < tolerance
-                    if attn is None:
-                        record["skipped"] = reason
-                    elif not smoke:
-                        try:
-                            record["ms"] = do_bench_ms(timed(attn, batch, mode), args.warmup_ms, args.rep_ms)
-                            record["tflops"] = (real_flops(lengths, nheads, headdim, causal, mode)
-                                                / (record["ms"] * 1e-3) / 1e12)
-                        except Exception as exc:
-                            record["skipped"] = "timing failed: " + failure_reason(exc)
+                for record in mode_records(base, args.modes, attn, errors, reason, tolerance, not smoke,
+                                           functools.partial(timed_call, attn, batch),
+                                           lambda mode: real_flops(lengths, nheads, headdim, causal, mode),
+                                           args.warmup_ms, args.rep_ms):
                     records.append(record)
+                    mode = record["mode"]
                     shown = (f"{record['tflops']:7.1f} TFLOP/s ({record['ms']:.3f} ms)" if record["tflops"]
                              else f"skipped: {record['skipped']}" if record["skipped"]
                              else "not checked (by design)" if name in UNCHECKED else "checked")
