@@ -46,12 +46,6 @@ class ScoreParams:
         be folded into exp2's multiply-add after the row max."""
         return self.softcap == 0.0 and self.alibi_slopes is None and self.softmax_scale > 0
 
-    @property
-    def plain(self) -> bool:
-        """Scaled dot products with at most a causal mask, no dropout: what the Hopper kernels handle."""
-        return (self.scaled_dot_products and self.dropout_p == 0.0
-                and self.window_left < 0 and self.window_right in (-1, 0))
-
     def op_args(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], List[float], int, int]:
         """The options as the custom ops' schemas take them: (alibi_slopes, dropout_seed,
         [softmax_scale, softcap, dropout_p], window_left, window_right)."""

@@ -40,7 +40,7 @@ SHAPES = [  # (seqlen_q, seqlen_k)
 ]
 
 
-def _options(causal, window_size, softcap, alibi, batch, nheads, scale_logits=1.0):
+def _options(causal, window_size, softcap, alibi, batch, nheads):
     slopes = None
     if alibi is not None:
         shape = (batch, nheads) if alibi == "bh" else (nheads,)

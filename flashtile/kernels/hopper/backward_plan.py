@@ -11,7 +11,7 @@ from ...configs import GluonBwdConfig, padded_head_dim
 from ..plans import CompiledCall
 from .backward import (_DQ_N, BLOCK_N, KEYS_PER_CONSUMER, NUM_CONSUMERS, gluon_attn_bwd_d256_kernel,
                        gluon_attn_bwd_kernel, gluon_attn_bwd_persistent_kernel, gluon_bwd_dq_convert_kernel)
-from .forward_plan import band_sides
+from .forward_plan import band_sides, option_arguments
 from .tma import DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported, tma_aligned
 
 LOG2E = 1.4426950408889634
@@ -170,7 +170,7 @@ class BackwardPlan:
             options_arguments = {}
             self.option_slots = kernel_fn is gluon_attn_bwd_kernel
             if self.option_slots:
-                options_arguments = _option_arguments(softmax_scale, local, window_left, window_right, softcap,
+                options_arguments = option_arguments(softmax_scale, local, window_left, window_right, softcap,
                                                       alibi_slopes)
             self.main = CompiledCall(
                 kernel_fn, grid,
@@ -229,15 +229,6 @@ class BackwardPlan:
     def __call__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, done_counts=None, **varlen):
         descriptors = self.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
         return self.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts, **varlen)
-
-
-def _option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes) -> dict:
-    """The two-warpgroup kernel's score-option arguments (forward_plan's, in the backward's names)."""
-    assert alibi_slopes is None or (alibi_slopes.dtype == torch.float32 and alibi_slopes.stride(-1) == 1)
-    return dict(LOCAL=local, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, window_left=window_left,
-                window_right=window_right, softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0,
-                softcap_log2=softcap * LOG2E if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
-                stride_alibi_b=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0)
 
 
 def done_counts_buffer(q, k, device=None) -> torch.Tensor:

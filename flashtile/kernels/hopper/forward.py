@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...triton_compat import reinterpret, tma_load, tma_store
-from .block_info import key_block_range, key_blocks
+from .block_info import key_blocks
 from .scores import alibi_slope_log2, modded_scores_log2
 from .seqlen_info import forward_tile
 

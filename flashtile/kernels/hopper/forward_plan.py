@@ -71,6 +71,17 @@ def band_sides(causal: bool, window_left: int, window_right: int):
     return True, side(window_left), side(window_right)
 
 
+def option_arguments(softmax_scale, local: bool, window_left: int, window_right: int, softcap: float,
+                     alibi_slopes) -> dict:
+    """The score-option arguments the Hopper forward and the two-warpgroup backward take alike
+    (window sides as band_sides gives them; softcap 0 and no slopes for none)."""
+    assert alibi_slopes is None or (alibi_slopes.dtype == torch.float32 and alibi_slopes.stride(-1) == 1)
+    return dict(LOCAL=local, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, window_left=window_left,
+                window_right=window_right, softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0,
+                softcap_log2=softcap * LOG2E if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
+                stride_alibi_b=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0)
+
+
 def register_cap(cfg: GluonFwdConfig) -> dict:
     """Launch options for cfg.ctas_per_sm CTAs per SM: ptxas' maxnreg, the registers per thread that
     let that many CTAs share an SM's 64K. The loader warp's warpgroup is launched whole (setmaxnreg
@@ -104,7 +115,6 @@ class ForwardPlan:
             # schedules (pairs, own key ranges, a trimmed diagonal).
             causal = False
             cfg = replace(cfg, own_key_range=False, trim_diagonal=False)
-        assert alibi_slopes is None or (alibi_slopes.dtype == torch.float32 and alibi_slopes.stride(-1) == 1)
         assert lse.stride(-1) == 1 and out.stride(-1) == 1
         assert not cfg.pingpong or cfg.num_consumers >= 2
         # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
@@ -166,11 +176,7 @@ class ForwardPlan:
                  ROW_SUM_MMA=cfg.row_sum_mma,
                  TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
                  OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
-                 LOCAL=local, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-                 window_left=window_left, window_right=window_right,
-                 softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0,
-                 softcap_log2=softcap * LOG2E if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
-                 stride_alibi_b=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+                 **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes),
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr", "alibi_slopes"))
