@@ -475,11 +475,10 @@ def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     return plan
 
 
-# Programs per multiprocessor, on sm90: resident at once (the FWD_DECODE config takes 74 KB of
-# shared memory, so 3 fit; the FWD config 1) and enough to saturate memory bandwidth (2 decode
-# programs already read as fast as 3).
-_RESIDENT_PER_SM = {True: 3, False: 1}
-_SATURATING_PER_SM = {True: 2, False: 1}
+# Split-KV bounds: keys per split at least (below, the merge costs more than the extra programs
+# gain), and splits at most.
+_MIN_SPLIT_KEYS = 256
+_MAX_SPLITS = 128
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments; decoding asks once per layer and token
@@ -487,24 +486,26 @@ def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, devi
     """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
 
     Decoding streams K and V: what counts is that every multiprocessor keeps reading until the end.
-    A grid that fits at once reads at full speed once it has enough programs to saturate memory; a
-    larger one runs in waves of resident programs, and a thin last wave idles most of the GPU. Takes
-    the fewest splits within 5% of the best modelled efficiency, with at least 512 keys per split
-    (below that, merging the partial results costs more than the extra programs gain)."""
+    The model is one program per multiprocessor at a time (the decode tile's K/V ring takes most of
+    the shared memory at head dim 128; a second resident program measured no faster at d64): the
+    grid runs in waves of one program per SM, and a thin last wave idles most of the GPU. Takes the
+    fewest splits within 5% of the best modelled efficiency, each split with at least
+    _MIN_SPLIT_KEYS keys."""
     if device.type != "cuda":
         return 1
-    decode = seqlen_q <= DECODE_MAX_ROWS
-    rows_per_program = 16 if decode else 128  # the FWD_DECODE / FWD query tiles
-    programs = batch * nheads * -(-seqlen_q // rows_per_program)
+    rows_per_program = 16 if seqlen_q <= DECODE_MAX_ROWS else 128  # the FWD_DECODE / FWD query tiles
+    programs = max(1, batch * nheads * -(-seqlen_q // rows_per_program))
     processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    resident, saturating = processors * _RESIDENT_PER_SM[decode], processors * _SATURATING_PER_SM[decode]
 
     def efficiency(grid: int) -> float:
-        if grid <= resident:
-            return min(1.0, grid / saturating)
-        return grid / (resident * -(-grid // resident))
-    most = max(1, min(64, max_seqlen_k // 512))
-    fill = {s: efficiency(programs * s) for s in range(1, most + 1)}
+        return grid / (processors * -(-grid // processors))
+    # A split's keys are whole key tiles (SplitForward rounds them up; every block_n divides 128),
+    # so the counts that can occur are those of 128, 256, ... keys per split.
+    fill = {1: efficiency(programs)}
+    for keys in range(_MIN_SPLIT_KEYS, max_seqlen_k, 128):
+        splits = -(-max_seqlen_k // keys)
+        if splits <= _MAX_SPLITS:
+            fill[splits] = efficiency(programs * splits)
     best = max(fill.values())
     return min(s for s, f in fill.items() if f >= 0.95 * best)
 

@@ -340,7 +340,7 @@ def split_combine() -> Binding:
               "stride_ls": "batch * nheads * rows_q", "stride_lb": "nheads * rows_q", "stride_lh": "rows_q",
               "stride_ob": "o_sb", "stride_or": "o_ss", "stride_oh": "o_sh", "stride_lse_b": "lse_sb",
               "stride_lse_h": "lse_sh", "num_rows": "rows_q", "num_splits": "n_splits"}
-    return Binding("attn_combine_kernel", ("CDIV(rows_q, 16)", "nheads", "batch"), params)
+    return Binding("attn_combine_kernel", ("rows_q", "nheads", "batch"), params)  # COMBINE_ROWS = 1
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,24 +18,25 @@ void flashtile_kvcache_args_init(flashtile_kvcache_args *args) {
     args->window_right = -1;
 }
 
-/* dispatch._auto_splits: the fewest splits within 5% of the best modelled use of the GPU (programs
- * resident per multiprocessor: 3 for the decode tile, 1 otherwise; 2 / 1 saturate memory), with at
- * least 512 keys per split. */
+/* dispatch._auto_splits: the fewest splits within 5% of the best modelled use of the GPU (one
+ * program per multiprocessor at a time, in waves), each split a whole number of 128-key steps of at
+ * least 256 keys, at most 128 splits. */
 static int auto_splits(int64_t batch, int64_t nheads, int64_t rows, int64_t capacity, int sm_count) {
-    const int decode = rows <= ft_decode_max_rows;
-    const int64_t programs = batch * nheads * CDIV(rows, decode ? 16 : 128);
-    const int64_t resident = (int64_t)sm_count * (decode ? 3 : 1), saturating = (int64_t)sm_count * (decode ? 2 : 1);
-    const int most = (int)MAX(1, MIN(64, capacity / 512));
-    double fill[65], best = 0.0;
-    for (int s = 1; s <= most; s++) {
-        const int64_t grid = programs * s;
-        fill[s] = grid <= resident ? (grid < saturating ? (double)grid / (double)saturating : 1.0)
-                                   : (double)grid / (double)(resident * CDIV(grid, resident));
+    const int64_t programs = MAX(1, batch * nheads * CDIV(rows, rows <= ft_decode_max_rows ? 16 : 128));
+    const int64_t sms = sm_count;
+    double fill[129] = {0.0}, best;
+    fill[1] = (double)programs / (double)(sms * CDIV(programs, sms));
+    best = fill[1];
+    for (int64_t keys = 256; keys < capacity; keys += 128) {
+        const int64_t s = CDIV(capacity, keys), grid = programs * s;
+        if (s > 128)
+            continue;
+        fill[s] = (double)grid / (double)(sms * CDIV(grid, sms));
         if (fill[s] > best)
             best = fill[s];
     }
-    for (int s = 1; s <= most; s++)
-        if (fill[s] >= 0.95 * best)
+    for (int s = 1; s <= 128; s++)
+        if (fill[s] > 0.0 && fill[s] >= 0.95 * best)
             return s;
     return 1;
 }

@@ -136,6 +136,9 @@ class PortableForward:
                       seqs.seqused_q, seqs.seqused_k, seqs.block_table, seqs.key_shift)
 
 
+COMBINE_ROWS = 1  # rows of the split-KV combine's programs
+
+
 class SplitForward:
     """attention_forward_split for one call signature (kernels/plans.py): the split forward writes
     float32 partial outputs and logsumexps (allocated per call), the combine kernel merges them.
@@ -161,12 +164,14 @@ class SplitForward:
                                        splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)),
                                        pack_gqa=pack_gqa)
         batch, rows, nheads, head_dim = out.shape
-        block_r = 16
+        # One row per program (a decode step has few rows: programs come from rows and heads), and
+        # as many splits per tile as keep it at 8K floats (the C export's binding assumes the same).
+        block_r, block_d = COMBINE_ROWS, padded_head_dim(head_dim)
         self.combine = CompiledCall(
             attn_combine_kernel, (triton.cdiv(rows, block_r), nheads, batch),
             (None, None, None, None, *out_parts.stride()[:4], *lse_parts.stride()[:3], out.stride(0), out.stride(1),
              out.stride(2), lse.stride(0), lse.stride(1), rows, num_splits),
-            dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_R=block_r),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=max(1, 8192 // (block_r * block_d))),
             slots=("OutPartial", "LsePartial", "Out", "Lse"))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs):
