@@ -521,9 +521,11 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
     seqlen_new = 0 if k is None else k.shape[1]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    if block_table is None:
-        # A contiguous cache is a pool of one page per sequence: one kernel path serves both (a
-        # separate plain-rows path was not faster).
+    # A contiguous cache is a pool of one page per sequence for the update, and for the forward
+    # when its rows are picked or left-padded. A plain one is read in its (batch, rows) layout: the
+    # paged kernel's table lookups made decode steps up to 1.7x slower (H200, 2026-11-27).
+    read_through_table = paged or cache_batch_idx is not None or cache_leftpad is not None
+    if block_table is None and (read_through_table or seqlen_new or rotary_cos is not None):
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32,
                                                                                  device=device)
         block_table = rows[:, None]
@@ -560,9 +562,9 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
         q_rows, out_rows, lse_rows = heads_as_rows(q, out, lse, nheads_k)
     else:
         q_rows, out_rows, lse_rows = q, out, lse
-    # The queries keep their (batch, rows) layout; the keys are read through the table of pages.
-    seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k, block_table=block_table,
-                      key_shift=cache_leftpad)
+    # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
+    seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k,
+                      block_table=block_table if read_through_table else None, key_shift=cache_leftpad)
     splits = num_splits or _auto_splits(batch, q_rows.shape[2], q_rows.shape[1], capacity, device)
     if splits > 1:
         attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits)
