@@ -357,15 +357,23 @@ def _tuned(kernel: str, q, params: ScoreParams, seqlen_k: int, cfg: Config, cand
     return autotune.choose(key, [cfg, *options], run)
 
 
-def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int) -> None:
+def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int,
+                            pack_gqa: bool = False) -> None:
     """:func:`attention_forward` with the keys of each sequence split across ``num_splits`` programs
     per query block (flash-decoding: a few long sequences with few queries fill the GPU), their
-    partial results merged by the combine kernel. Packed batches, portable kernels."""
+    partial results merged by the combine kernel. Packed batches, portable kernels. ``pack_gqa``:
+    the query heads of a GQA group share tiles (decode_kernel's choice; its config family)."""
     if out.numel() == 0:
         return
     plan_key = _plan_key(params, seqs, q, k, v, out, lse)
-    plan = _SPLIT_FORWARD_PLANS.get_or_make(None if plan_key is None else (num_splits, *plan_key),
-                                            lambda: SplitForward(q, k, v, out, lse, params, seqs, num_splits))
+
+    def make():
+        cfg = None
+        if pack_gqa:
+            kernel, _ = decode_kernel(q, k, params, seqs)
+            cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, seqs.max_seqlen_k, q.dtype)
+        return SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
+    plan = _SPLIT_FORWARD_PLANS.get_or_make(None if plan_key is None else (num_splits, pack_gqa, *plan_key), make)
     plan(q, k, v, out, lse, params, seqs)
 
 
@@ -565,9 +573,12 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
     # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
     seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k,
                       block_table=block_table if read_through_table else None, key_shift=cache_leftpad)
-    splits = num_splits or _auto_splits(batch, q_rows.shape[2], q_rows.shape[1], capacity, device)
-    if splits > 1:
-        attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits)
+    # A few query rows (speculative decoding) with GQA: the group's query heads share each K/V tile.
+    pack = seqlen_q <= DECODE_MAX_ROWS and decode_kernel(q_rows, k_cache, params, seqs)[1]
+    heads, tile_rows = (nheads_k, seqlen_q * group) if pack else (q_rows.shape[2], q_rows.shape[1])
+    splits = num_splits or _auto_splits(batch, heads, tile_rows, capacity, device)
+    if splits > 1 or pack:
+        attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits, pack)
     else:
         attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
     return out, lse
