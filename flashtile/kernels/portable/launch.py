@@ -164,14 +164,15 @@ class SplitForward:
                                        splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)),
                                        pack_gqa=pack_gqa)
         batch, rows, nheads, head_dim = out.shape
-        # One row per program (a decode step has few rows: programs come from rows and heads), and
-        # as many splits per tile as keep it at 8K floats (the C export's binding assumes the same).
+        # One row per program (a decode step has few rows: programs come from rows and heads, and
+        # the C export's binding assumes one), and all splits in one tile up to 8K floats.
         block_r, block_d = COMBINE_ROWS, padded_head_dim(head_dim)
+        block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // (block_r * block_d)))
         self.combine = CompiledCall(
             attn_combine_kernel, (triton.cdiv(rows, block_r), nheads, batch),
             (None, None, None, None, *out_parts.stride()[:4], *lse_parts.stride()[:3], out.stride(0), out.stride(1),
              out.stride(2), lse.stride(0), lse.stride(1), rows, num_splits),
-            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=max(1, 8192 // (block_r * block_d))),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s),
             slots=("OutPartial", "LsePartial", "Out", "Lse"))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs):
