@@ -239,8 +239,9 @@ def heads_as_rows(q, out, lse, nheads_k: int) -> tuple:
 class DecodeForward:
     """attention_forward for a decode-shaped call (decode_route) of one signature: the portable
     forward with the decode config, split-KV with the count _auto_splits picks, the query heads of
-    a GQA group sharing tiles (one query: as the rows of a view; more: the kernel's PACK_GQA). A dense call runs as a batch of sequences of (rows, keys); a packed call of
-    one query per sequence sees its queries as a (batch, 1, h, d) tensor and keeps its packed keys
+    a GQA group sharing tiles (one query: as the rows of a view; more: the kernel's PACK_GQA). A
+    dense call runs as a batch of sequences of (rows, keys); a packed call of one query per
+    sequence sees its queries as a (batch, 1, h, d) tensor and keeps its packed keys
     (cu_seqlens_k); other packed calls keep their layout. The inner plans are built on views that
     start where the tensors do, so later calls pass the tensors themselves."""
 
@@ -248,14 +249,9 @@ class DecodeForward:
         self.as_rows = _rows_from_heads(q, k, params, seqs)
         kernel, pack = decode_kernel(q, k, params, seqs)
         self.one_query_each = seqs is not None and seqs.max_seqlen_q == 1 and q.shape[1] == seqs.batch
-        # Packed lse is (1, h, total): as rows, a kv head's query heads would lie `total` floats apart,
-        # and the kernels write a tile's rows contiguously. They write a (batch, h, 1) buffer instead,
-        # copied into place after.
-        self.lse_buffer = self.one_query_each and self.as_rows
-        if self.one_query_each:  # (1, total = batch, h, d) -> (batch, 1, h, d)
-            q, out = q[0][:, None], out[0][:, None]
-            lse = empty((q.shape[0], q.shape[2], 1), torch.float32, q.device) if self.lse_buffer else \
-                lse[0].t()[:, :, None]
+        if self.one_query_each:  # (1, total = batch, h, d) -> (batch, 1, h, d); lse (1, h, total) -> (batch, h, 1)
+            # (as rows, a kv head's query heads then lie `total` floats apart: the kernels' stride_lse_r)
+            q, out, lse = q[0][:, None], out[0][:, None], lse[0].t()[:, :, None]
         if self.as_rows:
             q, out, lse = heads_as_rows(q, out, lse, k.shape[2])
             params = ScoreParams(softmax_scale=params.softmax_scale, softcap=params.softcap)
@@ -285,10 +281,7 @@ class DecodeForward:
             decode_seqs = seqs
         # The views start at the tensors' data pointers, which is all a launch reads of them. The
         # options are this call's (the plan key holds their values; the ALiBi slopes are a tensor).
-        rows_lse = empty((q.shape[1], q.shape[2], 1), torch.float32, q.device) if self.lse_buffer else lse
-        self.plan(q, k, v, out, rows_lse, self.params if self.as_rows else params, decode_seqs)
-        if self.lse_buffer:
-            lse[0].copy_(rows_lse[:, :, 0].t())
+        self.plan(q, k, v, out, lse, self.params if self.as_rows else params, decode_seqs)
 
 
 def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Callable:

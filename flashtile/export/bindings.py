@@ -262,6 +262,7 @@ def portable_forward(cfg, options, varlen: bool, use_tma: bool) -> Binding:
         tensors = {"Q": Pointer("q"), "K": Pointer("k"), "V": Pointer("v"), "Out": Pointer("o")}
     params = {**tensors, "Lse": Pointer("lse"), **_bsh("q", "q"), **_bsh("k", "k"), **_bsh("v", "v"),
               **_bsh("o", "o"), "stride_lse_b": _batch_stride("nheads * rows_q"), "stride_lse_h": "rows_q",
+              "stride_lse_r": "1",
               "stride_bt": "0", "seq_pages": "0", "num_pages": "0", "num_splits": "1", "keys_per_split": "0",
               "split_stride_o": "0", "split_stride_lse": "0", "nheads": "nheads",
               "head_group": "DIV(nheads, nheads_k)", "seqlen_q": "rows_q", "seqlen_k": "rows_k",
@@ -315,12 +316,13 @@ def kvcache_forward(cfg, options, split: bool) -> Binding:
         out = {"Out": Pointer("o_part"), "Lse": Pointer("lse_part"),
                "stride_ob": _batch_stride("rows_q * nheads * head_dim"), "stride_os": "nheads * head_dim",
                "stride_oh": "head_dim", "stride_lse_b": _batch_stride("nheads * rows_q"), "stride_lse_h": "rows_q",
+               "stride_lse_r": "1",
                "num_splits": "n_splits", "keys_per_split": "keys_per_split",
                "split_stride_o": "batch * rows_q * nheads * head_dim", "split_stride_lse": "batch * nheads * rows_q"}
     else:
         out = {"Out": Pointer("o"), "Lse": Pointer("lse"), **_bsh("o", "o"), "stride_lse_b": _batch_stride("lse_sb"),
-               "stride_lse_h": "lse_sh", "num_splits": "1", "keys_per_split": "0", "split_stride_o": "0",
-               "split_stride_lse": "0"}
+               "stride_lse_h": "lse_sh", "stride_lse_r": "1", "num_splits": "1", "keys_per_split": "0",
+               "split_stride_o": "0", "split_stride_lse": "0"}
     params = {"Q": Pointer("q"), "K": Pointer("k"), "V": Pointer("v"), **out, **_bsh("q", "q"),
               "stride_kb": cache_stride("k_sb"), "stride_ks": "k_ss", "stride_kh": "k_sh",
               "stride_vb": cache_stride("v_sb"), "stride_vs": "v_ss", "stride_vh": "v_sh",
@@ -339,7 +341,7 @@ def split_combine() -> Binding:
               "stride_pb": "rows_q * nheads * head_dim", "stride_pr": "nheads * head_dim", "stride_ph": "head_dim",
               "stride_ls": "batch * nheads * rows_q", "stride_lb": "nheads * rows_q", "stride_lh": "rows_q",
               "stride_ob": "o_sb", "stride_or": "o_ss", "stride_oh": "o_sh", "stride_lse_b": "lse_sb",
-              "stride_lse_h": "lse_sh", "num_rows": "rows_q", "num_splits": "n_splits"}
+              "stride_lse_h": "lse_sh", "stride_lse_r": "1", "num_rows": "rows_q", "num_splits": "n_splits"}
     return Binding("attn_combine_kernel", ("rows_q", "nheads", "batch"), params)  # COMBINE_ROWS = 1
 
 

@@ -20,11 +20,11 @@ def attn_combine_kernel(
     stride_ls, stride_lb, stride_lh,
     stride_ob, stride_or, stride_oh, stride_lse_b, stride_lse_h,
     num_rows, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, stride_lse_r=1,
 ):
     """OutPartial (split, batch, row, head, d) float32, LsePartial (split, batch, head, row) float32
-    -> Out (batch, row, head, d), Lse (batch, head, row); rows contiguous in the lse tensors. One
-    program per (row block, head, batch entry).
+    -> Out (batch, row, head, d), Lse (batch, head, row) (rows stride_lse_r apart; the partial lse
+    rows contiguous). One program per (row block, head, batch entry).
 
     Splits are read BLOCK_S at a time, as one tile: a decode step merges a handful of rows over
     8-128 splits, and a loop of one split per step would wait on each load in turn (a chain of
@@ -66,5 +66,5 @@ def attn_combine_kernel(
     lse = tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, total)) * LN2)
     out_ptrs = Out + rows.to(tl.int64)[:, None] * stride_or + h.to(tl.int64) * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
-    tl.store(Lse + h.to(tl.int64) * stride_lse_h + rows, lse, mask=in_rows)
+    tl.store(Lse + h.to(tl.int64) * stride_lse_h + rows * stride_lse_r, lse, mask=in_rows)
 

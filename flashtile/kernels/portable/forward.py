@@ -88,7 +88,7 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PACK_GQA: tl.constexpr = False,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PACK_GQA: tl.constexpr = False, stride_lse_r=1,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
@@ -98,6 +98,7 @@ def attn_fwd_kernel(
     SPLIT_KV (flash-decoding): program id 0 is query block * num_splits + split; each split folds
     keys [split * keys_per_split, + keys_per_split) and writes its normalised float32 output and
     its lse to Out / Lse at split * split_stride_o / _lse, for combine.attn_combine_kernel.
+    Lse rows lie stride_lse_r apart (1 but for a packed decode step's GQA heads as rows).
     PACK_GQA (decoding a few query rows with GQA; not with TMA, ALiBi or dropout): program id 1 is a
     kv head, and the tile's rows are (query row, query head of its group) pairs, row r being query
     r // head_group of head h_kv * head_group + r % head_group: the group's heads share each K and
@@ -228,12 +229,14 @@ def attn_fwd_kernel(
         o_offsets = rows.to(tl.int64) * stride_os + row_heads * stride_oh
         tl.store(o_base + o_offsets[:, None] + offs_d[None, :], out,
                  mask=in_tile[:, None] & (offs_d[None, :] < HEAD_DIM))
-        lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + row_heads * stride_lse_h + q_start + rows
+        lse_ptrs = (Lse + b.to(tl.int64) * stride_lse_b + row_heads * stride_lse_h
+                    + (q_start + rows) * stride_lse_r)
         lse_mask = in_tile
     else:
         store_rows(o_dst, out, b, h, start_m, rows, offs_d, stride_os, seqlen_q,
                    HEAD_DIM, BLOCK_D, USE_TMA)
-        lse_ptrs = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start + rows
+        lse_ptrs = (Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
+                    + (q_start + rows) * stride_lse_r)
         lse_mask = rows < seqlen_q
     if SPLIT_KV:
         lse_ptrs += split.to(tl.int64) * split_stride_lse

@@ -66,6 +66,12 @@ def _bh_strides(t: torch.Tensor) -> tuple:
     return _batch_stride(t), t.stride(1)
 
 
+def _row_stride(lse: torch.Tensor) -> dict:
+    """The forward's and the combine's stride_lse_r where lse rows are not contiguous (else the
+    kernels' default 1, which the C export's bindings assume)."""
+    return {} if lse.stride(2) == 1 else {"stride_lse_r": lse.stride(2)}
+
+
 def _shape_args(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs] = None) -> dict:
     """Sizes every kernel takes: seqlen_q / seqlen_k are the packed totals when varlen (for a
     paged cache no total bounds the keys: the block table does, in the kernel)."""
@@ -123,7 +129,7 @@ class PortableForward:
                  split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
                  SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
                  WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 **({"PACK_GQA": True} if pack_gqa else {}), **cfg.launch_kwargs()),
+                 **({"PACK_GQA": True} if pack_gqa else {}), **_row_stride(lse), **cfg.launch_kwargs()),
             slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ",
                    "SeqUsedK", "BlockTable", "KeyShift"))
 
@@ -172,7 +178,7 @@ class SplitForward:
             attn_combine_kernel, (triton.cdiv(rows, block_r), nheads, batch),
             (None, None, None, None, *out_parts.stride()[:4], *lse_parts.stride()[:3], out.stride(0), out.stride(1),
              out.stride(2), lse.stride(0), lse.stride(1), rows, num_splits),
-            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s, **_row_stride(lse)),
             slots=("OutPartial", "LsePartial", "Out", "Lse"))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs):
