@@ -2,15 +2,17 @@
 
 The call (1) rotates q and the new k when rotary tables are given, (2) writes the new k, v into the
 cache in place at each sequence's ``cache_seqlens``, and (3) attends q to the cache. Step 3 is the
-packed (varlen) forward over a paged cache: a contiguous cache (batch_cache, seqlen_cache, hk, d) is
-a pool of one page per sequence, with ``cache_batch_idx`` as the block table; a paged cache comes
-with its own ``block_table``. No step reads the device from the host.
+portable forward over each sequence's first cache_seqlens + seqlen_new keys: a plain contiguous
+cache (batch_cache, seqlen_cache, hk, d) is read in its rows; with ``cache_batch_idx`` or
+``cache_leftpad`` it is a pool of one page per sequence (``cache_batch_idx`` the block table); a
+paged cache comes with its own ``block_table``. No step reads the device from the host.
 
 Split-KV (flash-decoding): with few query blocks per sequence the keys of each sequence are spread
 over ``num_splits`` programs and merged by their lse (kernels/combine.py); ``num_splits=0`` picks
 the count from the shape and the GPU's multiprocessor count. With one query per sequence, the
 query heads of a GQA group are processed as rows of their kv head, which is read once for all of
-them. Steps 1 and 2 are one launch (kernels/kvcache_update.py).
+them; with 2-16 query rows, the group's heads share each tile (the forward's PACK_GQA). Steps 1
+and 2 are one launch (kernels/kvcache_update.py).
 
 The public function checks its arguments and calls the ``flashtile::kvcache_fwd`` custom op
 (flashtile/ops.py), which declares that it writes k_cache and v_cache; the op's body is

@@ -1,7 +1,9 @@
 /* The kv-cache call (flashtile.h: flashtile_kvcache_forward): check every argument, append the new
  * tokens (the update kernel), then attend over the paged cache with the portable forward, split-KV
  * when few programs would read a long cache, as flashtile/dispatch.py's kvcache_attention does:
- * the same layout choice (GQA heads as rows), the same split count, the same kernels. */
+ * the same split count and GQA heads as rows for one query. Unlike Python, contiguous caches are
+ * read as one page per sequence and 2-16 query rows do not pack a GQA group's heads (slower, same
+ * results). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
