@@ -67,4 +67,3 @@ def attn_combine_kernel(
     out_ptrs = Out + rows.to(tl.int64)[:, None] * stride_or + h.to(tl.int64) * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
     tl.store(Lse + h.to(tl.int64) * stride_lse_h + rows * stride_lse_r, lse, mask=in_rows)
-

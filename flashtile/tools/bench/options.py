@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import functools
 
-from .common import (check_heads, mode_records, timed_call, add_common_arguments, check_out_dir, check_smoke_sizes, choice_list, collect_meta,
-                     default_out_dir, failure_reason, fill_defaults, free_device_memory, parse_size,
-                     Progress, relative_error, require_torch, run_device, size_list, warm_up_gpu, write_json)
+from .common import (add_common_arguments, check_heads, check_out_dir, check_smoke_sizes, choice_list, collect_meta,
+                     default_out_dir, failure_reason, fill_defaults, free_device_memory, mode_records, parse_size,
+                     Progress, relative_error, require_torch, run_device, size_list, timed_call, warm_up_gpu,
+                     write_json)
 from .report import Table, geomean, grouped_bars, render_text, save_plot, skipped_notes, write_markdown
 
 PROG = "python -m flashtile bench options"
