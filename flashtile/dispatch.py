@@ -2,8 +2,8 @@
 Triton ones) and with which config, decided in one place (:func:`gluon_decision`; flashtile.explain
 asks the same function), then launched through a plan kept per call signature (kernels/plans.py)
 so that later calls skip the host work. Entry points: :func:`attention_forward`,
-:func:`attention_forward_split`, :func:`attention_backward`, :func:`attention_probs`,
-:func:`launch_kvcache_update` and :func:`kvcache_attention` (flash_attn_with_kvcache's body); they
+:func:`attention_forward_split`, :func:`attention_backward`, :func:`attention_probs` and
+:func:`kvcache_attention` (flash_attn_with_kvcache's body, through :class:`KVCacheStep`); they
 take tensors, a :class:`~flashtile.options.ScoreParams` and, for packed batches, a
 :class:`~flashtile.options.PackedSeqs`.
 """
@@ -23,9 +23,9 @@ from .kernels.hopper import status as hopper_status
 from .kernels.hopper.tma import qkv_unsupported, tma_aligned
 from .kernels.plans import PlanCache, tensor_signature
 from .kernels.plans import enabled as plans_enabled
-# attention_probs and launch_kvcache_update: entry points of the dispatcher that have one path.
+# attention_probs: an entry point of the dispatcher that has one path.
 from .kernels.portable.launch import (PortableBackward, PortableForward, SplitForward, attention_probs,  # noqa: F401
-                                      forward_kernel, launch_forward, launch_kvcache_update, launch_preprocess,
+                                      forward_kernel, kvcache_update_plan, launch_forward, launch_preprocess,
                                       portable_bwd_call, portable_bwd_tensors, row_stats_buffers)
 from .options import PackedSeqs, ScoreParams, grid_lengths
 from .runtime import arch_of, device_capability, empty, multiprocessor_count, portable_only, validate_enabled
@@ -175,14 +175,16 @@ def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Packe
     return gluon_decision(kernel, q, k, v, params, seqs, deterministic=deterministic)[0]
 
 
-def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> None:
+def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None) -> Optional[Callable]:
     """out (b, sq, h, d) <- attention; lse (b, h, sq) float32 <- natural-log logsumexp.
-    Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``."""
+    Packed batches: (1, total, h, d) views, lse (1, h, total_q), and ``seqs``. Returns the plan that
+    ran, which later calls of this signature may run directly (None: nothing to launch)."""
     if out.numel() == 0:
-        return
+        return None
     plan = _FORWARD_PLANS.get_or_make(_plan_key(params, seqs, q, k, v, out, lse),
                                       lambda: _forward_plan(q, k, v, out, lse, params, seqs))
     plan(q, k, v, out, lse, params, seqs)
+    return plan
 
 
 def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[str]:
@@ -351,13 +353,14 @@ def _tuned(kernel: str, q, params: ScoreParams, seqlen_k: int, cfg: Config, cand
 
 
 def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int,
-                            pack_gqa: bool = False) -> None:
+                            pack_gqa: bool = False) -> Optional[Callable]:
     """:func:`attention_forward` with the keys of each sequence split across ``num_splits`` programs
     per query block (flash-decoding: a few long sequences with few queries fill the GPU), their
     partial results merged by the combine kernel. Packed batches, portable kernels. ``pack_gqa``:
-    the query heads of a GQA group share tiles (decode_kernel's choice; its config family)."""
+    the query heads of a GQA group share tiles (decode_kernel's choice; its config family). Returns
+    the plan that ran (None: nothing to launch)."""
     if out.numel() == 0:
-        return
+        return None
     plan_key = _plan_key(params, seqs, q, k, v, out, lse)
 
     def make():
@@ -368,10 +371,11 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
         return SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
     plan = _SPLIT_FORWARD_PLANS.get_or_make(None if plan_key is None else (num_splits, pack_gqa, *plan_key), make)
     plan(q, k, v, out, lse, params, seqs)
+    return plan
 
 
 def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
-                       deterministic: bool = False, seqs: Optional[PackedSeqs] = None) -> None:
+                       deterministic: bool = False, seqs: Optional[PackedSeqs] = None) -> Optional[Callable]:
     """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``.
 
     On sm90 the Gluon backward serves plain (full or causal) attention unless
@@ -379,22 +383,23 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     take it too, except with seqused_q / seqused_k (see gluon_config). The portable path
     (preprocess, dK/dV, dQ kernels) sums every gradient in a fixed order.
     Packed batches: as :func:`attention_forward`; dk / dv rows of tokens past seqused_k
-    are not written (the caller zero-fills them).
+    are not written (the caller zero-fills them). Returns the plan when one plan did all of it on
+    these very tensors (later calls of this signature may run it directly), else None.
     """
     if dq.numel() == 0 and dk.numel() == 0:
-        return
+        return None
     if dq.numel() == 0 or q.shape[1] == 0:
         # No query attends: the keys and values got no gradient.
         dk.zero_()
         dv.zero_()
-        return
+        return None
     plan_key = _plan_key(params, seqs, q, k, v, out, dout, lse, dq, dk, dv)
     if plan_key is not None:
         plan_key = (deterministic, *plan_key)
         plan = _BACKWARD_PLANS.get(plan_key)
         if plan is not None:
             plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
-            return
+            return plan
     arch = arch_of(q.device)
     head_dim = q.shape[3]
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
@@ -404,8 +409,10 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         plan = _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params, gluon_cfg, pre_cfg, seqs)
     else:
         plan = _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, seqs)
-    if plan_key is not None and plan is not None:
-        _BACKWARD_PLANS.put(plan_key, plan)
+    if plan_key is None or plan is None:
+        return None
+    _BACKWARD_PLANS.put(plan_key, plan)
+    return plan
 
 
 def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gluon_cfg, pre_cfg,
@@ -511,67 +518,114 @@ def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, devi
     return min(s for s, f in fill.items() if f >= 0.95 * best)
 
 
+class KVCacheStep:
+    """flash_attn_with_kvcache's body for one call signature: the layout chosen once (the cache read
+    in its rows or through a table of pages, GQA heads as rows or sharing tiles, the split count);
+    a call then writes the cache and attends, through the update and forward plans the first call
+    left. Its arguments are the ``flashtile::kvcache_fwd`` op's, spread out (kvcache_attention)."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                 cache_leftpad, block_table, alibi_slopes, softmax_scale: float, softcap: float, causal: int,
+                 window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
+        batch, seqlen_q, nheads, _ = q.shape
+        seqlen_new = 0 if k is None else k.shape[1]
+        paged = block_table is not None
+        self.capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        # A contiguous cache is a pool of one page per sequence for the update, and for the forward
+        # when its rows are picked or left-padded. A plain one is read in its (batch, rows) layout,
+        # which spares the forward the paged kernel's per-tile table lookups.
+        self.read_through_table = paged or cache_batch_idx is not None or cache_leftpad is not None
+        self.rows_table = not paged and (self.read_through_table or seqlen_new > 0 or rotary_cos is not None)
+        self.local = bool(causal or window_left >= 0 or window_right >= 0)
+        self.rotary_interleaved = bool(rotary_interleaved)
+        self.params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
+                                  window_right=0 if causal else window_right)
+        nheads_k = k_cache.shape[2]
+        # One query per sequence and GQA: the group's query heads become the rows of one kv head,
+        # so each program reads that head's keys and values once for all of them. A single query
+        # sees every key whether causal or not, so the rows need no mask between them. Rows are
+        # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
+        self.rows_from_heads = (seqlen_q == 1 and nheads > nheads_k and window_left < 0 and window_right < 0
+                                and alibi_slopes is None)
+        if self.rows_from_heads:
+            self.params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
+            self.rows, heads = nheads // nheads_k, nheads_k
+        else:
+            self.rows, heads = seqlen_q, nheads
+        # A few query rows (speculative decoding) with GQA: the group's query heads share each K/V tile.
+        q_rows = q.new_empty((batch, self.rows, heads, q.shape[3]), device="meta")
+        self.pack = seqlen_q <= DECODE_MAX_ROWS and decode_kernel(
+            q_rows, k_cache, dataclasses.replace(self.params, alibi_slopes=alibi_slopes),
+            PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens))[1]
+        tile_rows = self.rows
+        if self.pack:
+            heads, tile_rows = nheads_k, seqlen_q * (nheads // nheads_k)
+        self.splits = num_splits or _auto_splits(batch, heads, tile_rows, self.capacity, q.device)
+        self.table_of_rows = None  # a contiguous cache's rows as a table (rows_table without cache_batch_idx)
+        self.update = None  # the update's and the forward's plans, from the first call
+        self.forward = None
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                 cache_leftpad, block_table, alibi_slopes) -> tuple:
+        """(out, lse) of q against the cache after the update."""
+        if self.rows_table and cache_batch_idx is not None:
+            block_table = cache_batch_idx[:, None]
+        elif self.rows_table:
+            if self.table_of_rows is None:  # constant, read only: made once
+                self.table_of_rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
+            block_table = self.table_of_rows
+        # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence (the update writes the end).
+        update = self.update
+        if update is None:
+            update = self.update = kvcache_update_plan(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin,
+                                                       cache_seqlens, block_table, self.rotary_interleaved,
+                                                       self.local)
+        q, seqlens_k = update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)
+        if cache_leftpad is not None:
+            seqlens_k = seqlens_k - cache_leftpad
+        params = self.params
+        if alibi_slopes is not None:
+            params = dataclasses.replace(params, alibi_slopes=alibi_slopes if alibi_slopes.stride(-1) == 1
+                                         else alibi_slopes.contiguous())
+        out = empty(q.shape, q.dtype, q.device)
+        lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
+        # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
+        seqs = PackedSeqs(None, None, self.rows, self.capacity, seqused_k=seqlens_k,
+                          block_table=block_table if self.read_through_table else None, key_shift=cache_leftpad)
+        if self.forward is not None:
+            # A plan reads only the data pointers of its tensors, and the views of rows start where
+            # q, out and lse do: no views on later calls.
+            self.forward(q, k_cache, v_cache, out, lse, params, seqs)
+            return out, lse
+        q_rows, out_rows, lse_rows = heads_as_rows(q, out, lse, k_cache.shape[2]) if self.rows_from_heads \
+            else (q, out, lse)
+        if self.splits > 1 or self.pack:
+            self.forward = attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs,
+                                                   self.splits, self.pack)
+        else:
+            self.forward = attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
+        return out, lse
+
+
 def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                       cache_leftpad, block_table, alibi_slopes, softmax_scale: float, softcap: float, causal: int,
                       window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
     """The body of the ``flashtile::kvcache_fwd`` op (flash_attn_with_kvcache's arguments checked,
-    options resolved, cache_seqlens a tensor): check the contents (CPU, FLASHTILE_VALIDATE=1), write
-    the cache, choose the layout (GQA heads as rows) and the split-KV count, attend. (out, lse)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    device = q.device
-    seqlen_new = 0 if k is None else k.shape[1]
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    # A contiguous cache is a pool of one page per sequence for the update, and for the forward
-    # when its rows are picked or left-padded. A plain one is read in its (batch, rows) layout,
-    # which spares the forward the paged kernel's per-tile table lookups.
-    read_through_table = paged or cache_batch_idx is not None or cache_leftpad is not None
-    if block_table is None and (read_through_table or seqlen_new or rotary_cos is not None):
-        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32,
-                                                                                 device=device)
-        block_table = rows[:, None]
-    local = causal or window_left >= 0 or window_right >= 0
-    rotated_end = seqlen_new
-    if rotary_cos is not None and local:
-        rotated_end = max(seqlen_new, seqlen_q)
-    if validate_enabled() or device.type == "cpu":
+    options resolved, cache_seqlens a tensor): check the contents (CPU, FLASHTILE_VALIDATE=1), then
+    one :class:`KVCacheStep`. (out, lse)."""
+    if validate_enabled() or q.device.type == "cpu":
+        seqlen_new = 0 if k is None else k.shape[1]
+        paged = block_table is not None
+        capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        rotated_end = seqlen_new
+        if rotary_cos is not None and (causal or window_left >= 0 or window_right >= 0):
+            rotated_end = max(seqlen_new, q.shape[1])
         checks.check_kvcache_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx, k_cache.shape[0],
-                           block_table if paged else None, k_cache.shape[0],
-                           None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1), cache_leftpad)
-
-    # Keys [cache_leftpad, cache_seqlens + seqlen_new) of each sequence (the update writes the end).
-    q, seqlens_k = launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens,
-                                         block_table, bool(rotary_interleaved), bool(local))
-    if cache_leftpad is not None:
-        seqlens_k = seqlens_k - cache_leftpad
-    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
-        alibi_slopes = alibi_slopes.contiguous()
-    params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
-                         window_right=0 if causal else window_right, alibi_slopes=alibi_slopes)
-    nheads_k = k_cache.shape[2]
-    group = nheads // nheads_k
-    # One query per sequence and GQA: the group's query heads become the rows of one kv head,
-    # so each program reads that head's keys and values once for all of them. A single query
-    # sees every key whether causal or not, so the rows need no mask between them. Rows are
-    # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
-    rows_from_heads = (seqlen_q == 1 and group > 1 and window_left < 0 and window_right < 0
-                       and alibi_slopes is None)
-    out = empty(q.shape, q.dtype, device)
-    lse = empty((batch, nheads, seqlen_q), torch.float32, device)
-    if rows_from_heads:
-        params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
-        q_rows, out_rows, lse_rows = heads_as_rows(q, out, lse, nheads_k)
-    else:
-        q_rows, out_rows, lse_rows = q, out, lse
-    # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
-    seqs = PackedSeqs(None, None, q_rows.shape[1], capacity, seqused_k=seqlens_k,
-                      block_table=block_table if read_through_table else None, key_shift=cache_leftpad)
-    # A few query rows (speculative decoding) with GQA: the group's query heads share each K/V tile.
-    pack = seqlen_q <= DECODE_MAX_ROWS and decode_kernel(q_rows, k_cache, params, seqs)[1]
-    heads, tile_rows = (nheads_k, seqlen_q * group) if pack else (q_rows.shape[2], q_rows.shape[1])
-    splits = num_splits or _auto_splits(batch, heads, tile_rows, capacity, device)
-    if splits > 1 or pack:
-        attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs, splits, pack)
-    else:
-        attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
-    return out, lse
+                                      block_table, k_cache.shape[0],
+                                      None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1),
+                                      cache_leftpad)
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+            block_table, alibi_slopes)
+    step = KVCacheStep(*args, softmax_scale, softcap, causal, window_left, window_right, rotary_interleaved,
+                       num_splits)
+    return step(*args)

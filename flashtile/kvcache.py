@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import checks, ops
+from . import call_plans, checks, dispatch, ops
 from .options import resolve_options
 
 
@@ -111,6 +111,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns:
         out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
     """
+    key = call_plans.kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                 rotary_interleaved, alibi_slopes, num_splits)
+    if key is not None and call_plans.replay_possible():
+        step = call_plans.KVCACHE_STEPS.get(key)
+        if step is not None:  # a call of this signature passed every check below
+            if type(cache_seqlens) is not torch.Tensor:
+                cache_seqlens = torch.full((q.shape[0],), cache_seqlens or 0, dtype=torch.int32, device=q.device)
+            out, lse = _run_step(step, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
+                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
+            return (out, lse) if return_softmax_lse else out
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         checks.check_tensor(q, "q", 4)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -139,6 +150,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=q.device)
     ints = [int(bool(causal)), window_left, window_right, int(bool(rotary_interleaved)), num_splits]
     extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes]
-    out, lse = ops.kvcache_attention_call(q, k_cache, v_cache, k, v, cache_seqlens, extras, [softmax_scale, softcap],
-                                          ints)
+    if key is not None and call_plans.may_keep(q.device):
+        step = call_plans.KVCACHE_STEPS.put(key, dispatch.KVCacheStep(q, k_cache, v_cache, k, v, cache_seqlens, *extras,
+                                                                      softmax_scale, softcap, *ints))
+        out, lse = _run_step(step, q, k_cache, v_cache, k, v, cache_seqlens, *extras)
+    else:
+        out, lse = ops.kvcache_attention_call(q, k_cache, v_cache, k, v, cache_seqlens, extras,
+                                              [softmax_scale, softcap], ints)
     return (out, lse) if return_softmax_lse else out
+
+
+def _run_step(step, q, k_cache, v_cache, *args) -> tuple:
+    """A planned eager call: the step, then the caches marked as written (as the op marks them)."""
+    result = step(q, k_cache, v_cache, *args)
+    ops.mark_caches_written(k_cache, v_cache)
+    return result

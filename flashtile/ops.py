@@ -357,6 +357,12 @@ def kvcache_attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
     if torch.compiler.is_compiling():
         return kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints)
     result = kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints)
+    mark_caches_written(k_cache, v_cache)
+    return result
+
+
+def mark_caches_written(k_cache: Tensor, v_cache: Tensor) -> None:
+    """The version-counter bump of k_cache and v_cache that kvcache_fwd's mutates_args gives, for
+    eager calls that run its body without the op."""
     for cache in (k_cache, v_cache):
         torch.autograd.graph.increment_version(cache)  # a no-op on inference-mode tensors
-    return result

@@ -152,16 +152,18 @@ def resolve_options(q: torch.Tensor, dropout_p, softmax_scale, causal, window_si
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, batch=batch, nheads=nheads, device=q.device, deterministic=deterministic,
         return_attn_probs=return_attn_probs)
-    dropout_seed = None
-    if dropout_p > 0:
-        # Drawn from the device's default generator outside the op (which stays a function of its
-        # inputs; the backward regenerates the mask from it): torch.manual_seed makes it
-        # reproducible, and no host sync is needed (the kernels read it on the device).
-        dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     return ScoreParams(softmax_scale=scale, softcap=float(softcap), window_left=window_left,
                        window_right=0 if causal else window_right, alibi_slopes=alibi_slopes,
                        dropout_p=float(dropout_p), dropout_seed=dropout_seed)
+
+
+def draw_dropout_seed(device: torch.device) -> torch.Tensor:
+    """A call's dropout seed: drawn from the device's default generator outside the op (which stays a
+    function of its inputs; the backward regenerates the mask from it), so torch.manual_seed makes
+    it reproducible, and no host sync is needed (the kernels read it on the device)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
 def packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q,

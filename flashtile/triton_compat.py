@@ -23,6 +23,7 @@ without a GPU (the compile checks).
 """
 
 import contextlib
+import functools
 import io
 import re
 from typing import Optional
@@ -102,13 +103,24 @@ def gluon_import_error() -> Optional[str]:
 # Host side.
 # ------------------------------------------------------------------------------------------------
 
+# The host descriptor classes, imported once (a launch builds several descriptors per call).
+@functools.lru_cache(maxsize=None)
+def _gluon_descriptor_class():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor_class():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor
+
+
 def gluon_tensor_descriptor(base, shape: list, strides: list, block: list, layout):
     """A Gluon host TMA descriptor. The constructor re-validates what hopper.tma_aligned() already
     checked and costs microseconds per descriptor, so the fields are set directly; fields added by
     later Triton releases keep their class defaults."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    desc = object.__new__(TensorDescriptor)
+    desc = object.__new__(_gluon_descriptor_class())
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout = base, shape, strides, block, layout
     desc.padding = "zero"
     return desc
@@ -117,9 +129,7 @@ def gluon_tensor_descriptor(base, shape: list, strides: list, block: list, layou
 def tensor_descriptor(base, shape: list, strides: list, block: list):
     """A host tensor descriptor of triton.tools (what portable Triton kernels take), fields set
     directly as in gluon_tensor_descriptor."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    desc = object.__new__(TensorDescriptor)
+    desc = object.__new__(_descriptor_class())
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, shape, strides, block, "zero"
     return desc
 

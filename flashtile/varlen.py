@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import checks, ops
+from . import call_plans, checks, ops
 from .interface import _probs
 from .options import resolve_options
 
@@ -41,11 +41,18 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
             block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs):
-    """The varlen entry points after their checks; k / v None mark packed layouts (ops.py)."""
-    alibi_slopes, dropout_seed, floats, window_left, window_right = resolve_options(
-        q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=cu_seqlens_q.shape[0] - 1,
-        deterministic=deterministic, return_attn_probs=return_attn_probs).op_args()
+            return_attn_probs, call_key=None):
+    """The varlen entry points after their checks; k / v None mark packed layouts (ops.py).
+    ``call_key``: the call_plans key of a flash_attn_varlen_func call that may leave a plan."""
+    params = resolve_options(q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                             batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic,
+                             return_attn_probs=return_attn_probs)
+    if call_key is not None and call_plans.may_keep(q.device):
+        call = call_plans.VARLEN_CALLS.put(call_key, call_plans.VarlenCall(q, params, max_seqlen_q, max_seqlen_k,
+                                                                           bool(deterministic)))
+        return call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                    call.call_params(params.alibi_slopes, params.dropout_seed))
+    alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
     out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
@@ -88,10 +95,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
+    key = call_plans.varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                return_attn_probs, block_table, seqused_q, seqused_k)
+    if key is not None and call_plans.replay_possible():
+        call = call_plans.VARLEN_CALLS.get(key)
+        if call is not None:  # a call of this signature passed every check below
+            return call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                        call.call_params(alibi_slopes))
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
     return _varlen(q, k, v, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs)
+                   return_attn_probs, key)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: float = 0.0,

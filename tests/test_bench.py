@@ -20,7 +20,7 @@ import torch
 
 from flashtile.runtime import interpreter_problem
 from flashtile.tools import bench
-from flashtile.tools.bench import anchors, common, dense, report
+from flashtile.tools.bench import anchors, common, dense, host, report
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -245,6 +245,16 @@ def test_options_smoke(tmp_path, capsys):
     assert set(document["records"][1]["rel_errs"]) == {"out", "dq", "dk", "dv"}
     assert document["records"][1]["causal_shaped"] is True
     assert "flashtile options benchmark" in (tmp_path / "options.md").read_text()
+    capsys.readouterr()
+
+
+def test_host_smoke(tmp_path, capsys):
+    """Every row runs and is checked against the anchor (timing needs the GPU)."""
+    assert bench.main(["host", "--interpret-smoke", "--out", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "host.json").read_text())
+    assert [r["row"] for r in document["records"]] == list(host.ROWS)
+    assert all(r["ok"] and r["flashtile_us"] is None for r in document["records"])
+    assert "host time per eager call" in (tmp_path / "host.md").read_text()
     capsys.readouterr()
 
 

@@ -9,6 +9,11 @@ caches the host maxima (max_seqlen_q / max_seqlen_k), never the lengths the devi
 So the first call of a signature goes the long way and leaves a plan; later calls replay it: new
 TMA descriptors for the new addresses, then each kernel's compiled launcher, called directly.
 
+A forward plan's call reads only the data pointers of the tensors it is given, so a tensor may
+stand in for a view that starts where it does (the call plans of flashtile/call_plans.py pass q for
+the rows-of-heads view of q, and (total, h, d) tensors for their (1, total, h, d) views); backward
+plans also read shapes, and get the views.
+
 Plans are used for CUDA tensors only, and never while anything could change what the long way
 decides: config overrides (configs.override), autotuning (FLASHTILE_AUTOTUNE=1), or
 FLASHTILE_LAUNCH_PLANS=0 (to compare against, or to rule plans out when debugging).
@@ -56,9 +61,11 @@ class PlanCache:
         with self._lock:
             return self.plans.get(key)
 
-    def put(self, key, plan: Callable) -> None:
+    def put(self, key, plan: Callable) -> Callable:
+        """Keep ``plan`` under ``key``; returns it."""
         with self._lock:
             self._insert(key, plan)
+        return plan
 
     def _insert(self, key, plan: Callable) -> None:
         """Keep ``plan`` under ``key``, evicting the oldest plans to stay within capacity (with

@@ -320,46 +320,79 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
     return probs
 
 
+class KVCacheUpdate:
+    """The kv-cache update of one call signature (kernels/plans.py): rotary on q and the new k, and
+    the new k, v written into the paged cache (k_cache: (pages, page_size, hk, d); a contiguous cache
+    is a pool of one page per sequence) at positions cache_seqlens[b] + t, in one launch. A call
+    returns (q rotated (a new tensor), or q itself without rotary tables; the keys each sequence
+    holds now, cache_seqlens + seqlen_new, an int32 (batch,) tensor: the launch writes it, or without
+    a launch it is cache_seqlens itself)."""
+
+    def __init__(self, q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                 interleaved: bool, query_per_step: bool):
+        batch, seqlen_q, nheads, head_dim = q.shape
+        seqlen_new = 0 if k is None else k.shape[1]
+        self.rotary_half = 0 if rotary_cos is None else rotary_cos.shape[1]
+        rows = max(seqlen_new, seqlen_q if self.rotary_half else 0)
+        self.call = None
+        if rows == 0 or batch == 0:
+            return
+        # Rotary on the queries alone: the key side of the kernel does nothing (an empty k, v).
+        self.no_keys = (batch, 0, k_cache.shape[2], head_dim) if k is None else None
+        k, v = self._keys(q, k, v)
+        q_out = q if self.rotary_half == 0 else torch.empty_like(q, device="meta")  # its layout: made per call
+        self.call = CompiledCall(
+            kvcache_update_kernel, (rows, max(nheads, k_cache.shape[2]), batch),
+            (q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table, cache_seqlens,
+             q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
+             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+             v_cache.stride(2), 0 if rotary_cos is None else rotary_cos.contiguous().stride(0), block_table.stride(0),
+             seqlen_q, seqlen_new, nheads, k_cache.shape[2], k_cache.shape[1], k_cache.shape[0],
+             block_table.shape[1]),
+            dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), ROTARY_HALF=self.rotary_half,
+                 BLOCK_HALF=max(triton.next_power_of_2(max(self.rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
+                 QUERY_PER_STEP=bool(query_per_step)),
+            slots=("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin", "CacheSeqlens", "BlockTable",
+                   "SeqUsedK"))
+
+    def _keys(self, q, k, v) -> tuple:
+        if self.no_keys is None:
+            return k, v
+        empty_keys = torch.empty(self.no_keys, dtype=q.dtype, device=q.device)
+        return empty_keys, empty_keys
+
+    def __call__(self, q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table) -> tuple:
+        if self.call is None:
+            return q, cache_seqlens
+        q_out = q if self.rotary_half == 0 else torch.empty_like(q)
+        seqused_k = torch.empty_like(cache_seqlens)
+        if self.rotary_half:
+            rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+        k, v = self._keys(q, k, v)
+        self.call(q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table, seqused_k)
+        return q_out, seqused_k
+
+
 _KVCACHE_UPDATE_PLANS = PlanCache()
+
+
+def kvcache_update_plan(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                        interleaved: bool, query_per_step: bool) -> KVCacheUpdate:
+    """The :class:`KVCacheUpdate` of this call's signature (kept per signature; a new one when no plan
+    may serve the call). ``block_table``: the pages (a contiguous cache: its rows, one per page)."""
+    key = None
+    if q.is_cuda and plans_enabled():
+        key = (q.device, bool(interleaved), bool(query_per_step),
+               *(tensor_signature(t) for t in (q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens,
+                                                block_table)))
+    return _KVCACHE_UPDATE_PLANS.get_or_make(key, lambda: KVCacheUpdate(
+        q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table, interleaved, query_per_step))
 
 
 def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
                           interleaved: bool, query_per_step: bool) -> tuple:
-    """Rotary on q and the new k, and the new k, v written into the paged cache (k_cache: (pages,
-    page_size, hk, d); a contiguous cache is a pool of one page per sequence) at positions
-    cache_seqlens[b] + t, in one launch. Returns (q rotated (a new tensor), or q itself without
-    rotary tables; the keys each sequence holds now, cache_seqlens + seqlen_new, an int32 (batch,)
-    tensor: the launch writes it, or without a launch it is cache_seqlens itself)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_new = 0 if k is None else k.shape[1]
-    rotary_half = 0 if rotary_cos is None else rotary_cos.shape[1]
-    rows = max(seqlen_new, seqlen_q if rotary_half else 0)
-    if rows == 0 or batch == 0:
-        return q, cache_seqlens
-    q_out = q if rotary_half == 0 else torch.empty_like(q)
-    seqused_k = torch.empty_like(cache_seqlens)
-    if rotary_half:
-        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
-    if k is None:  # rotary on the queries alone: the key side of the kernel does nothing
-        k = v = torch.empty((batch, 0, k_cache.shape[2], head_dim), dtype=q.dtype, device=q.device)
-    tensors = (q, q_out, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table, seqused_k)
-    key = None
-    if q.is_cuda and plans_enabled():
-        key = (q.device, bool(interleaved), bool(query_per_step), *(tensor_signature(t) for t in tensors))
-
-    def make() -> CompiledCall:
-        return CompiledCall(
-            kvcache_update_kernel, (rows, max(nheads, k_cache.shape[2]), batch),
-            (*tensors, q.stride(0), q.stride(1), q.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
-             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-             v_cache.stride(2), 0 if rotary_cos is None else rotary_cos.stride(0), block_table.stride(0),
-             seqlen_q, seqlen_new, nheads, k_cache.shape[2], k_cache.shape[1], k_cache.shape[0],
-             block_table.shape[1]),
-            dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), ROTARY_HALF=rotary_half,
-                 BLOCK_HALF=max(triton.next_power_of_2(max(rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
-                 QUERY_PER_STEP=bool(query_per_step)),
-            slots=("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin", "CacheSeqlens", "BlockTable",
-                   "SeqUsedK"))
-    _KVCACHE_UPDATE_PLANS.get_or_make(key, make)(*tensors)
-    return q_out, seqused_k
+    """Run :class:`KVCacheUpdate` for this call: (q rotated or q, the keys each sequence holds now)."""
+    plan = kvcache_update_plan(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                               interleaved, query_per_step)
+    return plan(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)

@@ -1,4 +1,4 @@
-"""``python -m flashtile bench dense|varlen|decode|options``: flashtile against its anchors, correctness first.
+"""``python -m flashtile bench dense|varlen|decode|options|host``: flashtile against its anchors, correctness first.
 
 Layout (imports only go down this list, so there is no cycle):
   __init__.py   the command line: one argparse subparser per mode, each with only the flags it reads
@@ -6,6 +6,7 @@ Layout (imports only go down this list, so there is no cycle):
   varlen.py     packed batches vs padding, SDPA, torch's varlen FA2, Flex document masks, FA4
   decode.py     flash_attn_with_kvcache bandwidth vs the device copy, SDPA backends, FA4
   options.py    sliding windows, softcap, ALiBi vs plain attention and FlexAttention
+  host.py       host time per eager call of each entry point vs cuDNN's
   report.py     tables, Markdown pages, optional plots
   anchors.py    optional anchors (FlashAttention-4) probed without ever raising
   common.py     argument types (1k, 16k), the output folder and its guard, progress, metadata, JSON
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import decode, dense, options, varlen
+from . import decode, dense, host, options, varlen
 from .common import OUT_ROOT_NAME, check_out_dir, reexec_with_interpreter_if_needed
 
 PROG = "python -m flashtile bench"
@@ -25,6 +26,7 @@ MODES = {
     "varlen": (varlen, "a packed batch through flash_attn_varlen_func vs padded and packed anchors; TFLOP/s"),
     "decode": (decode, "flash_attn_with_kvcache, contiguous and paged caches; GB/s vs the copy bandwidth"),
     "options": (options, "sliding windows, softcap, ALiBi vs plain attention and FlexAttention; TFLOP/s"),
+    "host": (host, "host time per eager call of each entry point vs cuDNN's, tiny shapes; us"),
 }
 EXAMPLES = f"""\
 examples:
@@ -34,6 +36,7 @@ examples:
   {PROG} varlen --headdims 128 --anchors sdpa,fa2,fa4
   {PROG} decode --batches 1,64 --cache-lens 8k,128k --seqlen-q 4
   {PROG} options --headdims 128 --window 4k --sets window-causal,softcap-causal
+  taskset -c 3 {PROG} host                 (host time per call; pinned to one core)
 
 Results go to ./{OUT_ROOT_NAME}/<date>-<mode>-<gpu>/ in the working directory (--out to choose):
 JSON with every point and the environment, a Markdown table with flashtile's ratio to each anchor

@@ -1,0 +1,303 @@
+"""Call plans: the whole host path of an eager call, done once per call signature.
+
+Launch plans (kernels/plans.py) spare a call the dispatcher's work. In front of them a call still
+ran the public checks, the option resolution, an autograd Function, the op's body (allocations,
+views, the options rebuilt) and the plan keys: at short sequences several times the host time of
+the kernels' launches. A call plan replaces all of it. The public function first builds a key from
+its arguments as they come (every tensor's shape, strides, dtype, device and 16-byte alignment,
+each option's value, and the settings that steer the long way); a call whose key is known runs
+its plan: allocate the outputs, run the launch plans the first call of the key left, and, when a
+gradient is wanted, do so inside an autograd Function whose backward replays the backward's plan.
+
+The first call of a key goes the long way, through every check, and leaves the plan. Every check
+is a function of what the key holds, so a call with a known key passed them too. Calls that the
+key cannot describe cheaply go the long way every time: under torch.compile, with options of
+unusual types (numpy scalars, tensors as windows), return_attn_probs, on CPU tensors, inside a
+configs.override block, and while FLASHTILE_LAUNCH_PLANS=0, FLASHTILE_AUTOTUNE, FLASHTILE_VALIDATE
+or FLASHTILE_POISON_OUTPUTS is on.
+"""
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from . import dispatch
+from .configs import any_overridden
+from .kernels.plans import PlanCache
+from .kernels.plans import enabled as launch_plans_enabled
+from .options import PackedSeqs, ScoreParams, draw_dropout_seed, packed_seqs
+from .runtime import poison_outputs_enabled, validate_enabled
+
+# The settings read on the long way; their values are part of every key.
+_SETTINGS = ("FLASHTILE_LAUNCH_PLANS", "FLASHTILE_AUTOTUNE", "FLASHTILE_PORTABLE", "FLASHTILE_VALIDATE",
+             "FLASHTILE_POISON_OUTPUTS")
+
+_PLAIN_TYPES = (bool, int, float, type(None))
+
+# Devices whose calls keep plans: CUDA (the interpreter's calls are long anyway; tests add "cpu").
+PLANNED_DEVICES = ("cuda",)
+
+
+def _settings() -> tuple:
+    get = os.environ.get
+    return tuple(get(name) for name in _SETTINGS)
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What the long way reads of a tensor argument (not its address or contents)."""
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
+def optional_key(t) -> Optional[tuple]:
+    """tensor_key of an optional tensor argument: () for None, None (no key) for anything else."""
+    if t is None:
+        return ()
+    return tensor_key(t) if type(t) is torch.Tensor else None
+
+
+def plain(*values) -> bool:
+    """Whether the options are Python bools, ints, floats or None (exact types: their values key a plan)."""
+    return all(type(value) in _PLAIN_TYPES for value in values)
+
+
+def window_key(window_size) -> Optional[tuple]:
+    """window_size as a key: a tuple of two Python ints, else None."""
+    if type(window_size) is tuple and len(window_size) == 2 and plain(*window_size):
+        return window_size
+    return None
+
+
+def replay_possible() -> bool:
+    """What a lookup checks besides the key: no configs.override block, which changes the long way's
+    choices, is open."""
+    return not any_overridden()
+
+
+def may_keep(device: torch.device) -> bool:
+    """Whether a call of this device, under the current settings, may leave a plan."""
+    return (device.type in PLANNED_DEVICES and launch_plans_enabled() and not validate_enabled()
+            and not poison_outputs_enabled())
+
+
+def dense_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_attn_probs) -> Optional[tuple]:
+    """The call key of flash_attn_func, or None when no plan may serve the call."""
+    if torch.compiler.is_compiling():  # the ops trace; the key would be traced too
+        return None
+    if return_attn_probs is not False or not plain(dropout_p, softmax_scale, causal, softcap, deterministic):
+        return None
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    window, alibi = window_key(window_size), optional_key(alibi_slopes)
+    if window is None or alibi is None:
+        return None
+    return (tensor_key(q), tensor_key(k), tensor_key(v), dropout_p, softmax_scale, causal, window, softcap, alibi,
+            deterministic, _settings())
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _Replay(torch.autograd.Function):
+    """A planned call with a gradient: the forward's plan, then the backward's (the call plan's
+    ``forward`` and ``backward``)."""
+
+    @staticmethod
+    def forward(ctx, call, params, *tensors):
+        out, lse = call.forward(params, *tensors)
+        ctx.call, ctx.params = call, params
+        ctx.save_for_backward(*tensors, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (None, None, *ctx.call.backward(ctx.params, dout, *ctx.saved_tensors))
+
+
+class DenseCall:
+    """flash_attn_func of one call signature: ``call(q, k, v, alibi_slopes)`` -> out.
+
+    The options resolved once (``params``; the ALiBi slopes and the dropout seed are the call's),
+    the forward's launch plan, and the backward's launch plans by the incoming gradient's layout."""
+
+    def __init__(self, q, params: ScoreParams, deterministic: bool):
+        batch, seqlen_q, nheads, head_dim = q.shape
+        self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, head_dim), (batch, nheads, seqlen_q)
+        self.dtype, self.device = q.dtype, q.device
+        self.params = dataclasses.replace(params, alibi_slopes=None, dropout_seed=None)
+        self.deterministic = deterministic
+        self.launch = None
+        self.backward_plans = {}
+
+    def call_params(self, alibi_slopes, dropout_seed=None) -> ScoreParams:
+        """This call's options: the resolved ones, with its ALiBi slopes and dropout seed (drawn
+        when not given)."""
+        return _with_tensors(self.params, alibi_slopes, dropout_seed, self.device)
+
+    def __call__(self, q, k, v, params: ScoreParams):
+        if _needs_grad(q, k, v):
+            return _Replay.apply(self, params, q, k, v)
+        return self.forward(params, q, k, v)[0]
+
+    def forward(self, params: ScoreParams, q, k, v) -> tuple:
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.launch is not None:
+            self.launch(q, k, v, out, lse, params, None)
+        else:
+            self.launch = dispatch.attention_forward(q, k, v, out, lse, params)
+        return out, lse
+
+    def backward(self, params: ScoreParams, dout, q, k, v, out, lse) -> tuple:
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        layout = (dout.stride(), dout.data_ptr() % 16 == 0)
+        plan = self.backward_plans.get(layout)
+        if plan is not None:
+            plan(q, k, v, out, dout, lse, dq, dk, dv, params, None)
+        else:
+            plan = dispatch.attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params, self.deterministic)
+            if plan is not None:
+                self.backward_plans[layout] = plan
+        return dq, dk, dv
+
+
+def _with_tensors(params: ScoreParams, alibi_slopes, dropout_seed, device) -> ScoreParams:
+    """``params`` (resolved, without tensors) with a call's ALiBi slopes and dropout seed (a fresh
+    one when dropout is on and none is given)."""
+    if alibi_slopes is None and params.dropout_p == 0.0:
+        return params
+    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
+        alibi_slopes = alibi_slopes.contiguous()  # (h,) or (b, h) floats: a trivial copy
+    if params.dropout_p > 0.0 and dropout_seed is None:
+        dropout_seed = draw_dropout_seed(device)
+    return dataclasses.replace(params, alibi_slopes=alibi_slopes, dropout_seed=dropout_seed)
+
+
+DENSE_CALLS = PlanCache()
+
+
+def kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                num_splits) -> Optional[tuple]:
+    """The call key of flash_attn_with_kvcache (its step: dispatch.KVCacheStep), or None when no
+    plan may serve the call. An int cache_seqlens keys by type: each call passes its value."""
+    if torch.compiler.is_compiling():  # the ops trace; the key would be traced too
+        return None
+    if not plain(softmax_scale, causal, softcap, rotary_interleaved, num_splits):
+        return None
+    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
+        return None
+    if type(cache_seqlens) is int:
+        seqlens = int if cache_seqlens >= 0 else None
+    else:
+        seqlens = optional_key(cache_seqlens)
+    optional = tuple(optional_key(t) for t in (k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                                                block_table, alibi_slopes))
+    window = window_key(window_size)
+    if seqlens is None or window is None or None in optional:
+        return None
+    if _needs_grad(q, k_cache, v_cache, *(t for t in (k, v) if t is not None)):
+        return None  # the long way raises
+    return (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), seqlens, optional, softmax_scale, causal, window,
+            softcap, rotary_interleaved, num_splits, _settings())
+
+
+KVCACHE_STEPS = PlanCache()
+
+
+def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+               window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q,
+               seqused_k) -> Optional[tuple]:
+    """The call key of flash_attn_varlen_func, or None when no plan may serve the call. The host
+    maxima key by value; the sequence tensors by layout (a plan serves any lengths under the maxima)."""
+    if torch.compiler.is_compiling():  # the ops trace; the key would be traced too
+        return None
+    if return_attn_probs is not False or not plain(dropout_p, softmax_scale, causal, softcap, deterministic):
+        return None
+    if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        return None
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    optional = tuple(optional_key(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                                                alibi_slopes))
+    window = window_key(window_size)
+    if window is None or None in optional or () in optional[:2]:
+        return None
+    if block_table is not None and _needs_grad(q, k, v):
+        return None  # the long way: no backward through a paged cache
+    return (tensor_key(q), tensor_key(k), tensor_key(v), max_seqlen_q, max_seqlen_k, optional, dropout_p,
+            softmax_scale, causal, window, softcap, deterministic, _settings())
+
+
+class VarlenCall:
+    """flash_attn_varlen_func of one call signature: ``call(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    seqused_q, seqused_k, block_table, params)`` -> out. As DenseCall, on (total, h, d) tensors; the
+    forward plan gets them as they are (a plan reads only its tensors' data pointers, and the
+    (1, total, h, d) views of the long way start where they do), the backward gets those views."""
+
+    def __init__(self, q, params: ScoreParams, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool):
+        self.out_shape, self.lse_shape = tuple(q.shape), (q.shape[1], q.shape[0])
+        self.dtype, self.device = q.dtype, q.device
+        self.params = dataclasses.replace(params, alibi_slopes=None, dropout_seed=None)
+        self.maxima = max_seqlen_q, max_seqlen_k
+        self.deterministic = deterministic
+        self.launch = None
+        self.backward_plans = {}
+
+    def call_params(self, alibi_slopes, dropout_seed=None) -> ScoreParams:
+        return _with_tensors(self.params, alibi_slopes, dropout_seed, self.device)
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                 params: ScoreParams):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
+        if _needs_grad(q, k, v):
+            return _Replay.apply(self, params, *tensors)
+        return self.forward(params, *tensors)[0]
+
+    def _seqs(self, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table) -> PackedSeqs:
+        return packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, *self.maxima)
+
+    def forward(self, params: ScoreParams, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                block_table) -> tuple:
+        seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
+        # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
+        if seqused_q is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        else:
+            out = torch.zeros(self.out_shape, dtype=self.dtype, device=self.device)
+            lse = torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=self.device)
+        if self.launch is not None:
+            self.launch(q, k, v, out, lse, params, seqs)
+        else:
+            k4, v4 = (k, v) if block_table is not None else (k.unsqueeze(0), v.unsqueeze(0))
+            self.launch = dispatch.attention_forward(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0),
+                                                     params, seqs)
+        return out, lse
+
+    def backward(self, params: ScoreParams, dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                 block_table, out, lse) -> tuple:
+        seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None)
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        # Tokens past seqused get a zero gradient (the kernels skip them).
+        dq = torch.empty_like(q) if seqused_q is None else torch.zeros_like(q)
+        dk, dv = (torch.empty_like(t) if seqused_k is None else torch.zeros_like(t) for t in (k, v))
+        views = tuple(t.unsqueeze(0) for t in (q, k, v, out, dout, lse, dq, dk, dv))
+        layout = (dout.stride(), dout.data_ptr() % 16 == 0)
+        plan = self.backward_plans.get(layout)
+        if plan is not None:
+            plan(*views, params, seqs)
+        else:
+            plan = dispatch.attention_backward(*views, params, self.deterministic, seqs)
+            if plan is not None:
+                self.backward_plans[layout] = plan
+        return dq, dk, dv, None, None, None, None, None
+
+
+VARLEN_CALLS = PlanCache()
