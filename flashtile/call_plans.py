@@ -248,6 +248,7 @@ class VarlenCall:
         self.deterministic = deterministic
         self.launch = None
         self.backward_plans = {}
+        self.last_seqs = None  # (the sequence tensors, their PackedSeqs): see _seqs
 
     def call_params(self, alibi_slopes, dropout_seed=None) -> ScoreParams:
         return _with_tensors(self.params, alibi_slopes, dropout_seed, self.device)
@@ -260,7 +261,18 @@ class VarlenCall:
         return self.forward(params, *tensors)[0]
 
     def _seqs(self, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table) -> PackedSeqs:
-        return packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, *self.maxima)
+        # A model passes the same sequence tensors to every layer (and the backward gets them
+        # back): the last PackedSeqs serves while they are the same objects, if it holds them
+        # themselves (no contiguous copies, whose contents would not follow the tensors').
+        given = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
+        last = self.last_seqs
+        if last is not None and all(a is b for a, b in zip(given, last[0])):
+            return last[1]
+        seqs = packed_seqs(*given, *self.maxima)
+        held = (seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q, seqs.seqused_k, seqs.block_table)
+        if all(a is b for a, b in zip(given, held)):
+            self.last_seqs = given, seqs
+        return seqs
 
     def forward(self, params: ScoreParams, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                 block_table) -> tuple:
@@ -282,7 +294,7 @@ class VarlenCall:
 
     def backward(self, params: ScoreParams, dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                  block_table, out, lse) -> tuple:
-        seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None)
+        seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)  # no table: not paged
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         # Tokens past seqused get a zero gradient (the kernels skip them).

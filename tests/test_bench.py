@@ -248,6 +248,7 @@ def test_options_smoke(tmp_path, capsys):
     capsys.readouterr()
 
 
+@needs_interpreter
 def test_host_smoke(tmp_path, capsys):
     """Every row runs and is checked against the anchor (timing needs the GPU)."""
     assert bench.main(["host", "--interpret-smoke", "--out", str(tmp_path)]) == 0

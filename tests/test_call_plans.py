@@ -195,3 +195,21 @@ def test_kvcache_int_seqlens_change(planned):
         out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=50)
     ref = flashtile.flash_attn_func(q, k_cache[:, :50], v_cache[:, :50])
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_varlen_replay_takes_new_lengths(planned):
+    """Same signature, other sequence tensors (and the same ones rewritten in place): the replay reads
+    the lengths each call passes."""
+    q = randn(60, 2, 32, dtype=DTYPES[0])
+    k, v = (randn(60, 2, 32, dtype=DTYPES[0]) for _ in range(2))
+    first, second = _cu([10, 50]), _cu([35, 25])
+    for cu in (first, second, first):
+        flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 50, 50, causal=True)
+        if cu is first:
+            first.copy_(_cu([30, 30]))
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 50, 50, causal=True)
+        bounds = cu.tolist()
+        for start, end in zip(bounds, bounds[1:]):
+            ref = flashtile.flash_attn_func(q[None, start:end], k[None, start:end], v[None, start:end], causal=True)
+            torch.testing.assert_close(out[start:end], ref[0], rtol=1e-3, atol=1e-3)
+    assert len(call_plans.VARLEN_CALLS.plans) == 1
