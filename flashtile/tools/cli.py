@@ -19,7 +19,8 @@ COMMANDS = {
     "env": ("flashtile.env",
             "versions, GPUs and settings for a bug report; --shape explains which kernels a call runs"),
     "bench": ("flashtile.tools.bench",
-              "dense | varlen | decode against cuDNN, FA2, Flex, FA4 in the same run (checked, then timed)"),
+              "dense | varlen | decode | options | host against cuDNN, FA2, Flex, FA4 in the same run (checked, "
+              "then timed)"),
     "debug": ("flashtile.tools.debug",
               "one small case key tile by key tile, reference beside kernel, to the first divergence"),
     "inspect": ("flashtile.tools.inspect",
