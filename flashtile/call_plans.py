@@ -300,15 +300,17 @@ class VarlenCall:
         # Tokens past seqused get a zero gradient (the kernels skip them).
         dq = torch.empty_like(q) if seqused_q is None else torch.zeros_like(q)
         dk, dv = (torch.empty_like(t) if seqused_k is None else torch.zeros_like(t) for t in (k, v))
-        views = tuple(t.unsqueeze(0) for t in (q, k, v, out, dout, lse, dq, dk, dv))
+        tensors = (q, k, v, out, dout, lse, dq, dk, dv)
         layout = (dout.stride(), dout.data_ptr() % 16 == 0)
         plan = self.backward_plans.get(layout)
-        if plan is not None:
-            plan(*views, params, seqs)
-        else:
-            plan = dispatch.attention_backward(*views, params, self.deterministic, seqs)
+        if plan is None:
+            plan = dispatch.attention_backward(*(t.unsqueeze(0) for t in tensors), params, self.deterministic, seqs)
             if plan is not None:
                 self.backward_plans[layout] = plan
+        elif getattr(plan, "reads_pointers_only", False):
+            plan(*tensors, params, seqs)  # the (1, total, h, d) views start where the tensors do
+        else:
+            plan(*(t.unsqueeze(0) for t in tensors), params, seqs)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -11,8 +11,9 @@ TMA descriptors for the new addresses, then each kernel's compiled launcher, cal
 
 A forward plan's call reads only the data pointers of the tensors it is given, so a tensor may
 stand in for a view that starts where it does (the call plans of flashtile/call_plans.py pass q for
-the rows-of-heads view of q, and (total, h, d) tensors for their (1, total, h, d) views); backward
-plans also read shapes, and get the views.
+the rows-of-heads view of q, and (total, h, d) tensors for their (1, total, h, d) views). Of the
+backward plans, the Hopper one does too (its ``reads_pointers_only``); the portable one reads
+shapes, and gets the views.
 
 Plans are used for CUDA tensors only, and never while anything could change what the long way
 decides: config overrides (configs.override), autotuning (FLASHTILE_AUTOTUNE=1), or

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ...options import PackedSeqs, ScoreParams, grid_lengths
-from ..portable.launch import preprocess_call, preprocess_seq_tensors, row_stats_buffers
+from ..portable.launch import preprocess_call, preprocess_seq_tensors, row_stats_buffers, row_stats_shape
 from .backward_plan import BackwardPlan, done_counts_buffer, dq_accumulator
 from .forward_plan import ForwardPlan
 
@@ -70,21 +70,28 @@ class GluonBackward:
                                     softcap=params.softcap, window_left=params.window_left,
                                     window_right=params.window_right, alibi_slopes=params.alibi_slopes,
                                     **gluon_seq_tensors(seqs))
-        done_counts = self._done_counts(q, k, device="meta")
+        done_counts = done_counts_buffer(q, k, "meta") if self.kernels.needs_counts else None
         self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
                                           zero=dq_acc, zero_counts=done_counts)
+        # What each call allocates, by shape: a call reads only its tensors' data pointers.
+        self.device = q.device
+        self.stats_shape, self.dq_acc_shape = row_stats_shape(lse), tuple(dq_acc.shape)
+        self.counts_shape = None if done_counts is None else tuple(done_counts.shape)
 
-    def _done_counts(self, q, k, device=None) -> Optional[torch.Tensor]:
-        return done_counts_buffer(q, k, device) if self.kernels.needs_counts else None
+    # Calls read only the data pointers of their tensors (call_plans.VarlenCall passes (total, h, d)
+    # tensors for the (1, total, h, d) views this plan was made with).
+    reads_pointers_only = True
 
     def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         # The host work (buffers, TMA descriptors) comes before the preprocess kernel, so that the
         # preprocess, backward and dQ-convert kernels go out back to back: done between them, it left
         # the GPU idle after the short preprocess. The preprocess zeroes the accumulator (and the
         # done counts) as it goes, which saves a memset kernel.
-        delta, lse_log2 = row_stats_buffers(lse)
-        dq_acc = dq_accumulator(q)
-        done_counts = self._done_counts(q, k)
+        # delta and lse_log2: row_stats_buffers' views without their row ends (the same addresses).
+        delta, lse_log2 = torch.empty(self.stats_shape, device=self.device, dtype=torch.float32).unbind(0)
+        dq_acc = torch.empty(self.dq_acc_shape, device=self.device, dtype=torch.float32)
+        done_counts = (None if self.counts_shape is None
+                       else torch.empty(self.counts_shape, device=self.device, dtype=torch.int32))
         descriptors = self.kernels.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
         self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, done_counts, *preprocess_seq_tensors(seqs))
         self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts,

@@ -195,10 +195,15 @@ def row_stats_buffers(lse: torch.Tensor, device=None) -> tuple:
     """Two float32 buffers shaped like lse (b, h, sq) for the backward's delta and lse_log2, rows
     padded to a multiple of 4 values (the Hopper backward streams them in 16-byte aligned boxes).
     On lse's device, or ``device`` ("meta": their layout for a plan, without memory)."""
-    batch, nheads, seqlen_q = lse.shape
-    padded = (seqlen_q + 3) // 4 * 4
-    buf = torch.empty((2, batch, nheads, padded), device=device or lse.device, dtype=torch.float32)
+    seqlen_q = lse.shape[2]
+    buf = torch.empty(row_stats_shape(lse), device=device or lse.device, dtype=torch.float32)
     return buf[0, :, :, :seqlen_q], buf[1, :, :, :seqlen_q]
+
+
+def row_stats_shape(lse: torch.Tensor) -> tuple:
+    """The shape of the one buffer under row_stats_buffers' two: (2, b, h, sq padded to 4)."""
+    batch, nheads, seqlen_q = lse.shape
+    return 2, batch, nheads, (seqlen_q + 3) // 4 * 4
 
 
 def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None,
