@@ -118,7 +118,7 @@ class _Replay(torch.autograd.Function):
 
 
 class DenseCall:
-    """flash_attn_func of one call signature: ``call(q, k, v, alibi_slopes)`` -> out.
+    """flash_attn_func of one call signature: ``call(q, k, v, call.call_params(alibi_slopes))`` -> out.
 
     The options resolved once (``params``; the ALiBi slopes and the dropout seed are the call's),
     the forward's launch plan, and the backward's launch plans by the incoming gradient's layout."""
