@@ -17,7 +17,6 @@ configs.override block, and while FLASHTILE_LAUNCH_PLANS=0, FLASHTILE_AUTOTUNE, 
 or FLASHTILE_POISON_OUTPUTS is on.
 """
 
-import dataclasses
 import os
 from typing import Optional
 
@@ -127,7 +126,7 @@ class DenseCall:
         batch, seqlen_q, nheads, head_dim = q.shape
         self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, head_dim), (batch, nheads, seqlen_q)
         self.dtype, self.device = q.dtype, q.device
-        self.params = dataclasses.replace(params, alibi_slopes=None, dropout_seed=None)
+        self.params = params.with_tensors(None)
         self.deterministic = deterministic
         self.launch = None
         self.backward_plans = {}
@@ -169,13 +168,9 @@ class DenseCall:
 def _with_tensors(params: ScoreParams, alibi_slopes, dropout_seed, device) -> ScoreParams:
     """``params`` (resolved, without tensors) with a call's ALiBi slopes and dropout seed (a fresh
     one when dropout is on and none is given)."""
-    if alibi_slopes is None and params.dropout_p == 0.0:
-        return params
-    if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
-        alibi_slopes = alibi_slopes.contiguous()  # (h,) or (b, h) floats: a trivial copy
     if params.dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(device)
-    return dataclasses.replace(params, alibi_slopes=alibi_slopes, dropout_seed=dropout_seed)
+    return params.with_tensors(alibi_slopes, dropout_seed)
 
 
 DENSE_CALLS = PlanCache()
@@ -243,7 +238,7 @@ class VarlenCall:
     def __init__(self, q, params: ScoreParams, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool):
         self.out_shape, self.lse_shape = tuple(q.shape), (q.shape[1], q.shape[0])
         self.dtype, self.device = q.dtype, q.device
-        self.params = dataclasses.replace(params, alibi_slopes=None, dropout_seed=None)
+        self.params = params.with_tensors(None)
         self.maxima = max_seqlen_q, max_seqlen_k
         self.deterministic = deterministic
         self.launch = None
@@ -303,14 +298,12 @@ class VarlenCall:
         tensors = (q, k, v, out, dout, lse, dq, dk, dv)
         layout = (dout.stride(), dout.data_ptr() % 16 == 0)
         plan = self.backward_plans.get(layout)
-        if plan is None:
+        if plan is not None:
+            plan(*tensors, params, seqs)  # the (1, total, h, d) views start where the tensors do
+        else:
             plan = dispatch.attention_backward(*(t.unsqueeze(0) for t in tensors), params, self.deterministic, seqs)
             if plan is not None:
                 self.backward_plans[layout] = plan
-        elif getattr(plan, "reads_pointers_only", False):
-            plan(*tensors, params, seqs)  # the (1, total, h, d) views start where the tensors do
-        else:
-            plan(*(t.unsqueeze(0) for t in tensors), params, seqs)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -555,7 +555,7 @@ class KVCacheStep:
         # A few query rows (speculative decoding) with GQA: the group's query heads share each K/V tile.
         q_rows = q.new_empty((batch, self.rows, heads, q.shape[3]), device="meta")
         self.pack = seqlen_q <= DECODE_MAX_ROWS and decode_kernel(
-            q_rows, k_cache, dataclasses.replace(self.params, alibi_slopes=alibi_slopes),
+            q_rows, k_cache, self.params.with_tensors(alibi_slopes),
             PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens))[1]
         tile_rows = self.rows
         if self.pack:
@@ -583,10 +583,7 @@ class KVCacheStep:
         q, seqlens_k = update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
-        params = self.params
-        if alibi_slopes is not None:
-            params = dataclasses.replace(params, alibi_slopes=alibi_slopes if alibi_slopes.stride(-1) == 1
-                                         else alibi_slopes.contiguous())
+        params = self.params.with_tensors(alibi_slopes)
         out = empty(q.shape, q.dtype, q.device)
         lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
         # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.

@@ -117,8 +117,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if key is not None and call_plans.replay_possible():
         step = call_plans.KVCACHE_STEPS.get(key)
         if step is not None:  # a call of this signature passed every check below
-            if type(cache_seqlens) is not torch.Tensor:
-                cache_seqlens = torch.full((q.shape[0],), cache_seqlens or 0, dtype=torch.int32, device=q.device)
             out, lse = _run_step(step, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
             return (out, lse) if return_softmax_lse else out
@@ -146,8 +144,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     window_left, window_right = checks.window_pair(window_size)
     alibi_slopes, _, (softmax_scale, softcap, _), _, _ = resolve_options(
         q, 0.0, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes).op_args()
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens or 0, dtype=torch.int32, device=q.device)
+    cache_seqlens = _seqlens_tensor(cache_seqlens, q)
     ints = [int(bool(causal)), window_left, window_right, int(bool(rotary_interleaved)), num_splits]
     extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes]
     if key is not None and call_plans.may_keep(q.device):
@@ -160,8 +157,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
-def _run_step(step, q, k_cache, v_cache, *args) -> tuple:
+def _seqlens_tensor(cache_seqlens, q) -> torch.Tensor:
+    """cache_seqlens as the int32 (batch,) tensor the kernels read (an int or None: every sequence)."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens
+    return torch.full((q.shape[0],), cache_seqlens or 0, dtype=torch.int32, device=q.device)
+
+
+def _run_step(step, q, k_cache, v_cache, k, v, cache_seqlens, *args) -> tuple:
     """A planned eager call: the step, then the caches marked as written (as the op marks them)."""
-    result = step(q, k_cache, v_cache, *args)
+    result = step(q, k_cache, v_cache, k, v, _seqlens_tensor(cache_seqlens, q), *args)
     ops.mark_caches_written(k_cache, v_cache)
     return result

@@ -7,6 +7,7 @@ schemas take only tensors and lists of floats and ints: :func:`ScoreParams.op_ar
 options for them and :func:`ScoreParams.from_op_args` rebuilds them on the other side.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -56,10 +57,18 @@ class ScoreParams:
     def from_op_args(cls, alibi_slopes, dropout_seed, floats, window_left, window_right) -> "ScoreParams":
         """The inverse of :meth:`op_args`, inside the ops."""
         softmax_scale, softcap, dropout_p = floats
+        params = cls(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left, window_right=window_right,
+                     dropout_p=dropout_p)
+        return params.with_tensors(alibi_slopes, dropout_seed if dropout_p > 0 else None)
+
+    def with_tensors(self, alibi_slopes: Optional[torch.Tensor],
+                     dropout_seed: Optional[torch.Tensor] = None) -> "ScoreParams":
+        """These options with a call's ALiBi slopes (given unit-stride to the kernels) and dropout seed."""
         if alibi_slopes is not None and alibi_slopes.stride(-1) != 1:
             alibi_slopes = alibi_slopes.contiguous()  # (h,) or (b, h) floats: a trivial copy
-        return cls(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left, window_right=window_right,
-                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed if dropout_p > 0 else None)
+        if alibi_slopes is self.alibi_slopes and dropout_seed is self.dropout_seed:
+            return self
+        return dataclasses.replace(self, alibi_slopes=alibi_slopes, dropout_seed=dropout_seed)
 
     def kernel_args(self, dtype: torch.dtype) -> dict:
         """Keyword arguments every attention kernel takes."""

@@ -9,11 +9,10 @@ caches the host maxima (max_seqlen_q / max_seqlen_k), never the lengths the devi
 So the first call of a signature goes the long way and leaves a plan; later calls replay it: new
 TMA descriptors for the new addresses, then each kernel's compiled launcher, called directly.
 
-A forward plan's call reads only the data pointers of the tensors it is given, so a tensor may
-stand in for a view that starts where it does (the call plans of flashtile/call_plans.py pass q for
-the rows-of-heads view of q, and (total, h, d) tensors for their (1, total, h, d) views). Of the
-backward plans, the Hopper one does too (its ``reads_pointers_only``); the portable one reads
-shapes, and gets the views.
+A plan's call reads only the data pointers of the tensors it is given (the buffers it allocates
+come from shapes it keeps), so a tensor may stand in for a view that starts where it does: the call
+plans of flashtile/call_plans.py pass q for the rows-of-heads view of q, and (total, h, d) tensors
+for their (1, total, h, d) views.
 
 Plans are used for CUDA tensors only, and never while anything could change what the long way
 decides: config overrides (configs.override), autotuning (FLASHTILE_AUTOTUNE=1), or

@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from ...options import PackedSeqs, ScoreParams, grid_lengths
-from ..portable.launch import preprocess_call, preprocess_seq_tensors, row_stats_buffers, row_stats_shape
+from ..portable.launch import (preprocess_call, preprocess_seq_tensors, row_stats_buffers, row_stats_by_shape,
+                               row_stats_shape)
 from .backward_plan import BackwardPlan, done_counts_buffer, dq_accumulator
 from .forward_plan import ForwardPlan
 
@@ -78,17 +79,12 @@ class GluonBackward:
         self.stats_shape, self.dq_acc_shape = row_stats_shape(lse), tuple(dq_acc.shape)
         self.counts_shape = None if done_counts is None else tuple(done_counts.shape)
 
-    # Calls read only the data pointers of their tensors (call_plans.VarlenCall passes (total, h, d)
-    # tensors for the (1, total, h, d) views this plan was made with).
-    reads_pointers_only = True
-
     def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         # The host work (buffers, TMA descriptors) comes before the preprocess kernel, so that the
         # preprocess, backward and dQ-convert kernels go out back to back: done between them, it left
         # the GPU idle after the short preprocess. The preprocess zeroes the accumulator (and the
         # done counts) as it goes, which saves a memset kernel.
-        # delta and lse_log2: row_stats_buffers' views without their row ends (the same addresses).
-        delta, lse_log2 = torch.empty(self.stats_shape, device=self.device, dtype=torch.float32).unbind(0)
+        delta, lse_log2 = row_stats_by_shape(self.stats_shape, self.device)
         dq_acc = torch.empty(self.dq_acc_shape, device=self.device, dtype=torch.float32)
         done_counts = (None if self.counts_shape is None
                        else torch.empty(self.counts_shape, device=self.device, dtype=torch.int32))

@@ -206,6 +206,12 @@ def row_stats_shape(lse: torch.Tensor) -> tuple:
     return 2, batch, nheads, (seqlen_q + 3) // 4 * 4
 
 
+def row_stats_by_shape(shape: tuple, device: torch.device) -> tuple:
+    """row_stats_buffers for a plan's call, from the plan's row_stats_shape: the same addresses, with
+    the padded row ends (the plan holds the strides), and no shape read from the call's tensors."""
+    return torch.empty(shape, device=device, dtype=torch.float32).unbind(0)
+
+
 def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] = None,
                       block_m: int = 64, num_warps: int = 4, zero: Optional[torch.Tensor] = None,
                       zero_counts: Optional[torch.Tensor] = None) -> None:
@@ -287,6 +293,7 @@ class PortableBackward:
     def __init__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg, dkdv_cfg, dq_cfg,
                  seqs: Optional[PackedSeqs] = None):
         delta, lse_log2 = row_stats_buffers(lse, device="meta")
+        self.stats_shape, self.device = row_stats_shape(lse), lse.device
         self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps)
         # No key: no dK / dV to compute (dq still gets its zeros from the dQ kernel).
         self.dkdv = None if k.shape[1] == 0 else portable_bwd_call(BWD_DKDV, q, k, v, dout, delta, (dk, dv), params,
@@ -294,7 +301,7 @@ class PortableBackward:
         self.dq = portable_bwd_call(BWD_DQ, q, k, v, dout, delta, (dq,), params, dq_cfg, seqs)
 
     def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
-        delta, lse_log2 = row_stats_buffers(lse)
+        delta, lse_log2 = row_stats_by_shape(self.stats_shape, self.device)
         self.preprocess(out, dout, lse, delta, lse_log2, None, None, *preprocess_seq_tensors(seqs))
         tensors = portable_bwd_tensors(q, k, v, dout, lse_log2, delta, params.alibi_slopes, params.dropout_seed,
                                         seqs)
