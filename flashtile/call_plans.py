@@ -17,7 +17,6 @@ configs.override block, and while FLASHTILE_LAUNCH_PLANS=0, FLASHTILE_AUTOTUNE, 
 or FLASHTILE_POISON_OUTPUTS is on.
 """
 
-import os
 from typing import Optional
 
 import torch
@@ -27,7 +26,7 @@ from .configs import any_overridden
 from .kernels.plans import PlanCache
 from .kernels.plans import enabled as launch_plans_enabled
 from .options import PackedSeqs, ScoreParams, draw_dropout_seed, packed_seqs
-from .runtime import poison_outputs_enabled, validate_enabled
+from .runtime import environment_reader, poison_outputs_enabled, validate_enabled
 
 # The settings read on the long way; their values are part of every key.
 _SETTINGS = ("FLASHTILE_LAUNCH_PLANS", "FLASHTILE_AUTOTUNE", "FLASHTILE_PORTABLE", "FLASHTILE_VALIDATE",
@@ -39,9 +38,8 @@ _PLAIN_TYPES = (bool, int, float, type(None))
 PLANNED_DEVICES = ("cuda",)
 
 
-def _settings() -> tuple:
-    get = os.environ.get
-    return tuple(get(name) for name in _SETTINGS)
+# Their values as a key part: raw (encoded) values, equal when the values are.
+_settings = environment_reader(_SETTINGS)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -102,18 +100,24 @@ def _needs_grad(*tensors) -> bool:
 
 class _Replay(torch.autograd.Function):
     """A planned call with a gradient: the forward's plan, then the backward's (the call plan's
-    ``forward`` and ``backward``)."""
+    ``forward`` and ``backward``). ``seqs``: a packed batch's PackedSeqs, or None; its tensors are
+    saved too, so that changing one in place before the backward raises, as on the long way."""
 
     @staticmethod
-    def forward(ctx, call, params, *tensors):
-        out, lse = call.forward(params, *tensors)
-        ctx.call, ctx.params = call, params
-        ctx.save_for_backward(*tensors, out, lse)
+    def forward(ctx, call, params, seqs, q, k, v):
+        out, lse = call.forward(params, seqs, q, k, v)
+        ctx.call, ctx.params, ctx.seqs = call, params, seqs
+        if seqs is None:
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse, seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q,
+                                  seqs.seqused_k)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        return (None, None, *ctx.call.backward(ctx.params, dout, *ctx.saved_tensors))
+        q, k, v, out, lse = ctx.saved_tensors[:5]
+        return (None, None, None, *ctx.call.backward(ctx.params, ctx.seqs, dout, q, k, v, out, lse))
 
 
 class DenseCall:
@@ -138,10 +142,10 @@ class DenseCall:
 
     def __call__(self, q, k, v, params: ScoreParams):
         if _needs_grad(q, k, v):
-            return _Replay.apply(self, params, q, k, v)
-        return self.forward(params, q, k, v)[0]
+            return _Replay.apply(self, params, None, q, k, v)
+        return self.forward(params, None, q, k, v)[0]
 
-    def forward(self, params: ScoreParams, q, k, v) -> tuple:
+    def forward(self, params: ScoreParams, seqs: None, q, k, v) -> tuple:
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self.launch is not None:
@@ -150,7 +154,7 @@ class DenseCall:
             self.launch = dispatch.attention_forward(q, k, v, out, lse, params)
         return out, lse
 
-    def backward(self, params: ScoreParams, dout, q, k, v, out, lse) -> tuple:
+    def backward(self, params: ScoreParams, seqs: None, dout, q, k, v, out, lse) -> tuple:
         if dout.stride(-1) != 1:
             dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -250,15 +254,15 @@ class VarlenCall:
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
                  params: ScoreParams):
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
+        seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
         if _needs_grad(q, k, v):
-            return _Replay.apply(self, params, *tensors)
-        return self.forward(params, *tensors)[0]
+            return _Replay.apply(self, params, seqs, q, k, v)
+        return self.forward(params, seqs, q, k, v)[0]
 
     def _seqs(self, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table) -> PackedSeqs:
-        # A model passes the same sequence tensors to every layer (and the backward gets them
-        # back): the last PackedSeqs serves while they are the same objects, if it holds them
-        # themselves (no contiguous copies, whose contents would not follow the tensors').
+        # A model passes the same sequence tensors to every layer: the last PackedSeqs serves while
+        # they are the same objects, if it holds them themselves (no contiguous copies, whose
+        # contents would not follow the tensors').
         given = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
         last = self.last_seqs
         if last is not None and all(a is b for a, b in zip(given, last[0])):
@@ -269,11 +273,9 @@ class VarlenCall:
             self.last_seqs = given, seqs
         return seqs
 
-    def forward(self, params: ScoreParams, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                block_table) -> tuple:
-        seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
+    def forward(self, params: ScoreParams, seqs: PackedSeqs, q, k, v) -> tuple:
         # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
-        if seqused_q is None:
+        if seqs.seqused_q is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         else:
@@ -282,19 +284,17 @@ class VarlenCall:
         if self.launch is not None:
             self.launch(q, k, v, out, lse, params, seqs)
         else:
-            k4, v4 = (k, v) if block_table is not None else (k.unsqueeze(0), v.unsqueeze(0))
+            k4, v4 = (k, v) if seqs.paged else (k.unsqueeze(0), v.unsqueeze(0))
             self.launch = dispatch.attention_forward(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0),
                                                      params, seqs)
         return out, lse
 
-    def backward(self, params: ScoreParams, dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                 block_table, out, lse) -> tuple:
-        seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)  # no table: not paged
+    def backward(self, params: ScoreParams, seqs: PackedSeqs, dout, q, k, v, out, lse) -> tuple:
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         # Tokens past seqused get a zero gradient (the kernels skip them).
-        dq = torch.empty_like(q) if seqused_q is None else torch.zeros_like(q)
-        dk, dv = (torch.empty_like(t) if seqused_k is None else torch.zeros_like(t) for t in (k, v))
+        dq = torch.empty_like(q) if seqs.seqused_q is None else torch.zeros_like(q)
+        dk, dv = (torch.empty_like(t) if seqs.seqused_k is None else torch.zeros_like(t) for t in (k, v))
         tensors = (q, k, v, out, dout, lse, dq, dk, dv)
         layout = (dout.stride(), dout.data_ptr() % 16 == 0)
         plan = self.backward_plans.get(layout)
@@ -304,7 +304,7 @@ class VarlenCall:
             plan = dispatch.attention_backward(*(t.unsqueeze(0) for t in tensors), params, self.deterministic, seqs)
             if plan is not None:
                 self.backward_plans[layout] = plan
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv
 
 
 VARLEN_CALLS = PlanCache()

@@ -28,7 +28,7 @@ from .kernels.portable.launch import (PortableBackward, PortableForward, SplitFo
                                       forward_kernel, kvcache_update_plan, launch_forward, launch_preprocess,
                                       portable_bwd_call, portable_bwd_tensors, row_stats_buffers)
 from .options import PackedSeqs, ScoreParams, grid_lengths
-from .runtime import arch_of, device_capability, empty, multiprocessor_count, portable_only, validate_enabled
+from .runtime import arch_of, device_capability, empty_allocator, multiprocessor_count, portable_only, validate_enabled
 
 
 _gluon_fallback_warned = False
@@ -564,6 +564,7 @@ class KVCacheStep:
         self.table_of_rows = None  # a contiguous cache's rows as a table (rows_table without cache_batch_idx)
         self.update = None  # the update's and the forward's plans, from the first call
         self.forward = None
+        self.empty = empty_allocator()  # a call plan's key holds the setting; the op's step lives one call
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                  cache_leftpad, block_table, alibi_slopes) -> tuple:
@@ -584,8 +585,8 @@ class KVCacheStep:
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
         params = self.params.with_tensors(alibi_slopes)
-        out = empty(q.shape, q.dtype, q.device)
-        lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
+        out = self.empty(q.shape, q.dtype, q.device)
+        lse = self.empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
         # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
         seqs = PackedSeqs(None, None, self.rows, self.capacity, seqused_k=seqlens_k,
                           block_table=block_table if self.read_through_table else None, key_shift=cache_leftpad)

@@ -2,6 +2,7 @@
 
 import functools
 import os
+from typing import Callable
 
 import torch
 
@@ -13,6 +14,20 @@ def interpreter_enabled() -> bool:
     ``import triton``; we read the same variable so both agree.
     """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def environment_reader(names: tuple):
+    """A function that returns the values of the environment variables ``names`` (None where unset),
+    cheap enough to run on every call. ``os.environ.get`` costs about 1.5 us per name on a slow host
+    CPU (it encodes the key and decodes the value each time); on POSIX the reader looks the
+    encoded names up in the dict behind ``os.environ`` instead, which sees every change made
+    through ``os.environ`` (as ``os.environ.get`` does, and nothing else)."""
+    raw = getattr(os.environ, "_data", None)
+    if os.name == "posix" and type(raw) is dict:
+        keys = tuple(os.fsencode(name) for name in names)
+        return lambda: tuple(map(raw.get, keys))
+    get = os.environ.get
+    return lambda: tuple(map(get, names))
 
 
 def check_device_supported(device: torch.device, arg_name: str = "q", dtype=None) -> None:
@@ -75,6 +90,16 @@ def empty(shape, dtype, device) -> torch.Tensor:
     if poison_outputs_enabled():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _plain_empty(shape, dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def empty_allocator() -> Callable:
+    """:func:`empty` under the poisoning setting of now, for an object that allocates on every call
+    and lives no longer than the setting (a plan whose key holds it): no setting read per call."""
+    return empty if poison_outputs_enabled() else _plain_empty
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
