@@ -213,3 +213,34 @@ def test_varlen_replay_takes_new_lengths(planned):
             ref = flashtile.flash_attn_func(q[None, start:end], k[None, start:end], v[None, start:end], causal=True)
             torch.testing.assert_close(out[start:end], ref[0], rtol=1e-3, atol=1e-3)
     assert len(call_plans.VARLEN_CALLS.plans) == 1
+
+
+def test_varlen_backward_sees_its_forwards_lengths(planned):
+    """Sequence tensors rewritten in place between a planned forward and its backward: the backward
+    raises (they are saved for it, as on the long way), not a gradient of other lengths."""
+    q, k, v = (randn(60, 2, 32, dtype=DTYPES[0], requires_grad=True) for _ in range(3))
+    cu = _cu([10, 50])
+    for call in range(2):  # the first call leaves the plan, the second replays it
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 50, 50, causal=True)
+        if call == 1:
+            cu.copy_(_cu([30, 30]))
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+        else:
+            out.sum().backward()
+
+
+def test_settings_are_read_as_they_change(monkeypatch):
+    """The settings part of a key follows os.environ (set and unset in this process)."""
+    from flashtile.runtime import environment_reader
+
+    read = environment_reader(("FLASHTILE_TEST_SETTING", "FLASHTILE_TEST_OTHER"))
+    monkeypatch.delenv("FLASHTILE_TEST_SETTING", raising=False)
+    unset = read()
+    assert unset[0] is None
+    monkeypatch.setenv("FLASHTILE_TEST_SETTING", "1")
+    one = read()
+    monkeypatch.setenv("FLASHTILE_TEST_SETTING", "0")
+    assert len({unset, one, read()}) == 3
+    monkeypatch.delenv("FLASHTILE_TEST_SETTING")
+    assert read() == unset
