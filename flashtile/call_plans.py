@@ -182,7 +182,7 @@ DENSE_CALLS = PlanCache()
 
 def kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                num_splits) -> Optional[tuple]:
+                num_splits, learnable_sink=None) -> Optional[tuple]:
     """The call key of flash_attn_with_kvcache (its step: dispatch.KVCacheStep), or None when no
     plan may serve the call. An int cache_seqlens keys by type: each call passes its value."""
     if torch.compiler.is_compiling():  # the ops trace; the key would be traced too
@@ -196,7 +196,7 @@ def kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     else:
         seqlens = optional_key(cache_seqlens)
     optional = tuple(optional_key(t) for t in (k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-                                                block_table, alibi_slopes))
+                                                block_table, alibi_slopes, learnable_sink))
     window = window_key(window_size)
     if seqlens is None or window is None or None in optional:
         return None

@@ -13,14 +13,16 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import call_plans, checks, ops
+from . import call_plans, checks, ops, sinks
 from .options import resolve_options
 
 
 def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-           return_attn_probs, call_key=None):
+           return_attn_probs, call_key=None, learnable_sink=None):
     """The dense entry points after their layout checks; k / v None mark packed layouts (ops.py).
     ``call_key``: the call_plans key of a flash_attn_func call that may leave a plan."""
+    if learnable_sink is not None:
+        sinks.check_learnable_sink(learnable_sink, q_view.shape[2], q_view.device)
     params = resolve_options(q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                              deterministic=deterministic, return_attn_probs=return_attn_probs)
     if call_key is not None and call_plans.may_keep(q.device):
@@ -29,7 +31,10 @@ def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softc
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
-    out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)
+    if learnable_sink is None:
+        out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)
+    else:
+        out, lse = ops.dense_attention_with_sink(q, k, v, learnable_sink, *tensors, floats, ints)
     if not return_attn_probs:
         return out
     return out, lse, _probs(q, k, v, lse, None, None, None, None, None, tensors, floats, ints)
@@ -45,7 +50,7 @@ def _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False):
+                    return_attn_probs: bool = False, learnable_sink: Optional[torch.Tensor] = None):
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, with O(seqlen) memory.
 
     Arguments:
@@ -64,11 +69,15 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
             reductions in arbitrary order (last-bit differences between runs).
         return_attn_probs: also return softmax_lse (batch, nheads, seqlen_q) float32 and the
             probabilities (batch, nheads, seqlen_q, seqlen_k) (testing only: O(N^2) memory).
+        learnable_sink: optional floating-point (nheads,) tensor, one logit per query head that
+            joins each row's softmax with no value (gpt-oss's sinks): the row's weights sum to
+            1 - exp(sink - lse), and lse includes it. Its gradient is returned when it requires
+            grad; a row that sees no key gets out 0 and lse = sink. (flashtile's extension.)
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
     """
-    key = call_plans.dense_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_attn_probs)
+    key = None if learnable_sink is not None else call_plans.dense_key(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if key is not None and call_plans.replay_possible():
         call = call_plans.DENSE_CALLS.get(key)
         if call is not None:  # a call of this signature passed every check below
@@ -78,7 +87,7 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
     checks.check_qkv_shapes(q, k, v)
     return _dense(q, k, v, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                  return_attn_probs, key)
+                  return_attn_probs, key, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import call_plans, checks, dispatch, ops
+from . import call_plans, checks, dispatch, ops, sinks
 from .options import resolve_options
 
 
@@ -82,7 +82,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale: Optional[float] = None, causal: bool = False,
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+                            num_splits: int = 0, return_softmax_lse: bool = False,
+                            learnable_sink: Optional[torch.Tensor] = None):
     """Attention of new queries against a kv cache, appending new keys and values first.
 
     Arguments:
@@ -105,6 +106,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits: programs the keys of each sequence are split across (flash-decoding), merged
             by their logsumexp; 0 chooses from the shape and the GPU; 1 turns splitting off.
         return_softmax_lse: also return the logsumexp (batch, nheads, seqlen_q).
+        learnable_sink: optional (nheads,) sink logits, as in flash_attn_func.
     The caller's contract (checked on CPU and with FLASHTILE_VALIDATE=1, before anything is
     written): the cache has room for the new tokens, cache_batch_idx and block_table point inside
     the cache, and the rotary tables cover every position rotated.
@@ -113,13 +115,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     key = call_plans.kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                 rotary_interleaved, alibi_slopes, num_splits)
+                                 rotary_interleaved, alibi_slopes, num_splits, learnable_sink)
     if key is not None and call_plans.replay_possible():
         step = call_plans.KVCACHE_STEPS.get(key)
         if step is not None:  # a call of this signature passed every check below
             out, lse = _run_step(step, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
-            return (out, lse) if return_softmax_lse else out
+            return _result(out, lse, learnable_sink, return_softmax_lse)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         checks.check_tensor(q, "q", 4)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -130,6 +132,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if (not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32
                 or tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device):
             raise ValueError(f"cache_leftpad must be an int32 tensor of shape ({batch},) on {q.device}")
+    if learnable_sink is not None:
+        sinks.check_learnable_sink(learnable_sink, nheads, q.device)
     if not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -154,6 +158,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         out, lse = ops.kvcache_attention_call(q, k_cache, v_cache, k, v, cache_seqlens, extras,
                                               [softmax_scale, softcap], ints)
+    return _result(out, lse, learnable_sink, return_softmax_lse)
+
+
+def _result(out, lse, learnable_sink, return_softmax_lse):
+    if learnable_sink is not None:
+        out, lse = sinks.add_sink(out, lse, learnable_sink)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -12,7 +12,9 @@ implementation (shapes and dtypes only) and, for fwd and varlen_fwd, an autograd
 calls the matching backward op. The public functions reach fwd and varlen_fwd through
 dense_attention / varlen_attention: the ops while torch.compile traces, and in eager mode the same
 bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time;
-flash_attn_with_kvcache reaches kvcache_fwd the same way (kvcache_attention_call).
+flash_attn_with_kvcache reaches kvcache_fwd the same way (kvcache_attention_call). A learnable sink
+(sinks.py) wraps fwd / varlen_fwd and their backward ops in one more autograd.Function
+(dense_attention_with_sink, varlen_attention_with_sink).
 The ops take what the kernels take: options already checked and folded by the public functions
 (softmax_scale resolved, causal folded into window_right = 0), and dropout's seed as an int64
 tensor drawn outside the op, so an op is a function of its inputs and the backward regenerates the
@@ -32,7 +34,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks
+from . import checks, sinks
 from .dispatch import attention_backward, attention_forward, attention_probs, kvcache_attention
 from .options import ScoreParams, packed_seqs
 from .runtime import empty, empty_like, validate_enabled
@@ -291,6 +293,85 @@ def varlen_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seq
     if torch.compiler.is_compiling():
         return varlen_fwd(*args)
     return _EagerVarlen.apply(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learnable sinks (sinks.py), on the ops above
+# ---------------------------------------------------------------------------------------------
+
+class _SinkOp:
+    """How _SinkAttention runs one op: ``forward(*inputs)`` -> (out, lse), ``backward(dout, out, lse,
+    *inputs)`` -> the gradients of the given ones of q, k, v (the op's bodies in eager mode, the ops
+    while torch.compile traces)."""
+
+    def __init__(self, forward_op, forward_body, backward):
+        self.forward_op, self.forward_body, self.backward = forward_op, forward_body, backward
+
+    def forward(self, *inputs):
+        return (self.forward_op if torch.compiler.is_compiling() else self.forward_body)(*inputs)
+
+
+def _dense_sink_backward(dout, out, lse, q, k, v, alibi_slopes, dropout_seed, floats, ints):
+    backward = bwd if torch.compiler.is_compiling() else _bwd_body
+    return backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints)
+
+
+def _varlen_sink_backward(dout, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                          alibi_slopes, dropout_seed, floats, ints):
+    if block_table is not None:
+        return paged_no_backward(dout, *_unpack(q, k, v))
+    backward = varlen_bwd if torch.compiler.is_compiling() else _varlen_bwd_body
+    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                    dropout_seed, floats, ints)
+
+
+_DENSE_SINK = _SinkOp(fwd, _fwd_body, _dense_sink_backward)
+_VARLEN_SINK = _SinkOp(varlen_fwd, _varlen_fwd_body, _varlen_sink_backward)
+
+
+class _SinkAttention(torch.autograd.Function):
+    """An attention op with a learnable sink per query head: the op's forward, then out and lse
+    rescaled for the sink (sinks.add_sink); the backward is the op's own on that out and lse, and
+    the sink's gradient (sinks.sink_grad). Returns (out, lse), lse with the sink."""
+
+    @staticmethod
+    def forward(ctx, op: _SinkOp, sink, *inputs):
+        out, lse = sinks.add_sink(*op.forward(*inputs), sink)
+        ctx.op = op
+        ctx.tensor_at = [i for i, x in enumerate(inputs) if isinstance(x, Tensor)]
+        ctx.others = [None if isinstance(x, Tensor) else x for x in inputs]
+        ctx.save_for_backward(sink, out, lse, *(inputs[i] for i in ctx.tensor_at))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        sink, out, lse, *tensors = ctx.saved_tensors
+        inputs = list(ctx.others)
+        for i, t in zip(ctx.tensor_at, tensors):
+            inputs[i] = t
+        dout = _unit_last_stride(dout)
+        grads = iter(ctx.op.backward(dout, out, lse, *inputs))
+        qkv_grads = [None if t is None else next(grads) for t in inputs[:3]]
+        return (None, sinks.sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[1] else None, *qkv_grads,
+                *(None,) * (len(inputs) - 3))
+
+
+def dense_attention_with_sink(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Tensor,
+                              alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
+                              ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """dense_attention with a learnable sink (sinks.py), differentiable in q, k, v and the sink."""
+    return _SinkAttention.apply(_DENSE_SINK, learnable_sink, q, k, v, alibi_slopes, dropout_seed, floats, ints)
+
+
+def varlen_attention_with_sink(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Tensor,
+                               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
+                               seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+                               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
+                               ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """varlen_attention with a learnable sink (sinks.py)."""
+    return _SinkAttention.apply(_VARLEN_SINK, learnable_sink, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                seqused_k, block_table, alibi_slopes, dropout_seed, floats, ints)
 
 
 # ---------------------------------------------------------------------------------------------

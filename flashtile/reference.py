@@ -72,11 +72,13 @@ def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool
                     window_size=(-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                     dropout_mask: Optional[torch.Tensor] = None,
-                    dtype: Optional[torch.dtype] = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+                    dtype: Optional[torch.dtype] = torch.float64,
+                    learnable_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention by the definition, computed in ``dtype`` (None: the input dtype).
 
     dropout_mask: boolean (b, h, sq, sk), True = kept, applied with scale 1/(1-p);
     dropout is only applied when it is given (the kernels' mask comes from their RNG).
+    learnable_sink: (h,) logits, one more column of every row's softmax, with no value.
     Differentiable: gradients through it are the reference gradients.
     """
     dtype = dtype or q.dtype
@@ -84,8 +86,13 @@ def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     s = attention_scores(q, k, softmax_scale, softcap, alibi_slopes, dtype)
     keep = visible_keys_mask(seqlen_q, seqlen_k, window_size, causal, device=q.device)
     s = s.masked_fill(~keep, float("-inf"))
+    if learnable_sink is not None:
+        sink_column = learnable_sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        s = torch.cat([s, sink_column], dim=-1)
     lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0, not NaN
+    if learnable_sink is not None:
+        p = p[..., :-1]
     if dropout_mask is not None:
         p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv_heads(v, q.shape[2]).to(dtype))
@@ -162,7 +169,8 @@ def attention_varlen_naive(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: to
 
     q (total_q, h, d), k/v (total_k, hk, d); cu_seqlens (batch + 1,); seqused (batch,) or None.
     alibi_slopes (h,) or (batch, h); dropout_mask (batch, h, max_seqlen_q, max_seqlen_k).
-    Returns out (total_q, h, d) and lse (h, total_q); rows past seqused_q get 0 and -inf.
+    Returns out (total_q, h, d) and lse (h, total_q); rows past seqused_q get 0 and -inf (the sink's
+    logit with a learnable_sink).
     """
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     dtype = options.get("dtype", torch.float64) or q.dtype
@@ -183,7 +191,10 @@ def attention_varlen_naive(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: to
         lses.append(lse_b[0])
         if used_q < reserved_q:
             outs.append(out_b.new_zeros((reserved_q - used_q,) + tuple(out_b.shape[2:])))
-            lses.append(lse_b.new_full((lse_b.shape[1], reserved_q - used_q), float("-inf")))
+            unused = lse_b.new_full((lse_b.shape[1], reserved_q - used_q), float("-inf"))
+            if options.get("learnable_sink") is not None:
+                unused = options["learnable_sink"].to(unused.dtype)[:, None].expand_as(unused)
+            lses.append(unused)
     if not outs:
         return q.new_zeros(q.shape, dtype=dtype), q.new_zeros((q.shape[1], 0), dtype=torch.float32)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)

@@ -12,7 +12,8 @@ import torch
 from .reference import attention_naive
 
 # The call options the references take (the rest, e.g. deterministic, do not change the result).
-REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "dropout_p")
+REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "dropout_p",
+                     "learnable_sink")
 
 # Floor on the allowed error per dtype, for cases where PyTorch's own error is tiny.
 EPSILON = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
@@ -49,16 +50,25 @@ def reference_errors(q, k, v, out, dout=None, grads=None, dropout_mask=None, ref
     attention_naive, or attention_varlen_naive with the batch layout bound (functools.partial).
     """
     backward = grads is not None
-    # Separate leaves, so the float64 reference's gradients are not rounded to the input dtype.
-    leaves64 = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
-    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    ref_out, ref_lse = reference(*leaves64, dropout_mask=dropout_mask, dtype=torch.float64, **options)
-    same_out, _ = reference(*leaves, dropout_mask=dropout_mask, dtype=None, **options)
+    # Separate leaves, so the float64 reference's gradients are not rounded to the input dtype. A
+    # learnable sink is one more leaf when ``grads`` holds its gradient (a fourth).
+    inputs = [q, k, v]
+    if options.get("learnable_sink") is not None:
+        sink = options.pop("learnable_sink")
+        inputs.append(sink)
+    leaves64 = [t.detach().double().requires_grad_(backward) for t in inputs]
+    leaves = [t.detach().clone().requires_grad_(backward) for t in inputs]
+    if len(inputs) == 4:
+        options64, options = {**options, "learnable_sink": leaves64[3]}, {**options, "learnable_sink": leaves[3]}
+    else:
+        options64 = options
+    ref_out, ref_lse = reference(*leaves64[:3], dropout_mask=dropout_mask, dtype=torch.float64, **options64)
+    same_out, _ = reference(*leaves[:3], dropout_mask=dropout_mask, dtype=None, **options)
     errors = [("out", rel_error(out, ref_out), rel_error(same_out, ref_out))]
     if backward:
-        ref_grads = torch.autograd.grad(ref_out, leaves64, dout.double())
-        same_grads = torch.autograd.grad(same_out, leaves, dout)
-        for name, g, rg, sg in zip(("dq", "dk", "dv"), grads, ref_grads, same_grads):
+        ref_grads = torch.autograd.grad(ref_out, leaves64[:len(grads)], dout.double())
+        same_grads = torch.autograd.grad(same_out, leaves[:len(grads)], dout)
+        for name, g, rg, sg in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads, same_grads):
             errors.append((name, rel_error(g, rg), rel_error(sg, rg)))
     return errors, ref_lse
 
@@ -78,11 +88,13 @@ def call_errors(fn, q, k, v, *, backward: bool = True, reference=attention_naive
     dout = grads = None
     if backward:
         dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-            if g.shape != t.shape or g.dtype != q.dtype:
+        sink = options.get("learnable_sink")
+        inputs = (q, k, v) if sink is None or not sink.requires_grad else (q, k, v, sink)
+        grads = torch.autograd.grad(out, inputs, dout)
+        for name, g, t in zip(("dq", "dk", "dv", "dsink"), grads, inputs):
+            if g.shape != t.shape or g.dtype != t.dtype:
                 raise AssertionError(f"{name} has shape {tuple(g.shape)} and dtype {g.dtype}; expected "
-                                     f"{tuple(t.shape)}, {q.dtype}")
+                                     f"{tuple(t.shape)}, {t.dtype}")
     ref_options = {name: options[name] for name in REFERENCE_OPTIONS if name in options}
     errors, ref_lse = reference_errors(q, k, v, out, dout, grads, dropout_mask=dropout_mask, reference=reference,
                                        **ref_options)

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import call_plans, checks, ops
+from . import call_plans, checks, ops, sinks
 from .interface import _probs
 from .options import resolve_options
 
@@ -41,9 +41,11 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
             block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, call_key=None):
+            return_attn_probs, call_key=None, learnable_sink=None):
     """The varlen entry points after their checks; k / v None mark packed layouts (ops.py).
     ``call_key``: the call_plans key of a flash_attn_varlen_func call that may leave a plan."""
+    if learnable_sink is not None:
+        sinks.check_learnable_sink(learnable_sink, q_view.shape[1], q_view.device)
     params = resolve_options(q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                              batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic,
                              return_attn_probs=return_attn_probs)
@@ -55,8 +57,12 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
-    out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                                    *tensors, floats, ints)
+    if learnable_sink is None:
+        out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                                        *tensors, floats, ints)
+    else:
+        out, lse = ops.varlen_attention_with_sink(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                                  seqused_k, block_table, *tensors, floats, ints)
     if not return_attn_probs:
         return out
     return out, lse, _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors,
@@ -68,7 +74,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: Optional[torch.Tensor] = None,
-                           seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None):
+                           seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
+                           learnable_sink: Optional[torch.Tensor] = None):
     """:func:`flashtile.flash_attn_func` on a packed batch of sequences of different lengths.
 
     Arguments:
@@ -91,13 +98,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             block_table[b, t // page_size], row t % page_size; cu_seqlens_k (or seqused_k) gives each
             sequence's key count. For inference, on the portable kernels: the forward runs on
             inputs that require grad too, and a backward through it raises a RuntimeError.
+        learnable_sink: optional (nheads,) sink logits, as in flash_attn_func (rows past seqused_q
+            get lse = sink).
     Returns:
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
-    key = call_plans.varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                return_attn_probs, block_table, seqused_q, seqused_k)
+    key = None if learnable_sink is not None else call_plans.varlen_key(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k)
     if key is not None and call_plans.replay_possible():
         call = call_plans.VARLEN_CALLS.get(key)
         if call is not None:  # a call of this signature passed every check below
@@ -106,7 +115,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
     return _varlen(q, k, v, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, key)
+                   return_attn_probs, key, learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: float = 0.0,

@@ -247,6 +247,25 @@ def test_compile_flash_attn_varlen_func(dtype):
         torch.testing.assert_close(g, r, **_tol(dtype))
 
 
+def test_compile_learnable_sink():
+    """A learnable sink (sinks.py) compiles with its autograd Function; the sink gets its gradient."""
+    dtype = DTYPES[0]
+    q, k, v = (randn(2, SEQLEN, 2, HEAD_DIM, dtype=dtype, requires_grad=True) for _ in range(3))
+    sink = torch.randn(2, device=DEVICE, requires_grad=True)
+
+    def attend(q, k, v, sink):
+        return flash_attn_func(q, k, v, causal=True, learnable_sink=sink) * 2
+
+    dout = torch.randn_like(q)
+    out = _run_twice(_compiled(attend), q, k, v, sink)
+    grads = _grads(out, (q, k, v, sink), dout)
+    ref = attend(q, k, v, sink)
+    ref_grads = _grads(ref, (q, k, v, sink), dout)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **_tol(g.dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("paged", [False, True])
 def test_compile_flash_attn_with_kvcache(dtype, paged):

@@ -394,7 +394,8 @@ def test_paged_varlen_forward_with_grad_and_backward_raises():
     assert out.requires_grad
     with torch.no_grad():
         packed = flash_attn_varlen_func(q, k, k, cu, cu, 9, 9, causal=True)
-    assert torch.equal(out.detach(), packed)
+    # Other tiles, other sums: on the interpreter numpy's BLAS may round the last bit differently.
+    torch.testing.assert_close(out.detach(), packed, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="no backward through a paged cache"):
         out.sum().backward()
     out = flash_attn_varlen_func(q, pages, pages, cu, cu, 9, 9, block_table=table)  # only q needs a gradient

@@ -8,7 +8,8 @@ option set of --sets:
   window-both                window_size (--window / 2, --window / 2), not causal;
   softcap-causal / -full     softcap --softcap (Gemma 2);
   alibi-causal / -full       ALiBi slopes of shape (nheads,) (BLOOM, MPT);
-  window-softcap             causal, window (--window, -1) and softcap together.
+  window-softcap             causal, window (--window, -1) and softcap together;
+  sink-causal / -full        a learnable sink per head (gpt-oss), its gradient too (FlexAttention has none).
 TFLOP/s count the (query, key) pairs the options leave visible: 4 * b * h * d per pair, 3.5x that for
 forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain TFLOP/s of the same mask
 class (causal-shaped sets against plain-causal, the others against plain-full), all in the same run;
@@ -30,7 +31,7 @@ from .report import Table, geomean, grouped_bars, render_text, save_plot, skippe
 PROG = "python -m flashtile bench options"
 MODES = ("fwd", "fwd_bwd")
 SETS = ("plain-causal", "plain-full", "window-causal", "window-both", "softcap-causal", "softcap-full",
-        "alibi-causal", "alibi-full", "window-softcap")
+        "alibi-causal", "alibi-full", "window-softcap", "sink-causal", "sink-full")
 ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
@@ -51,8 +52,10 @@ def option_set(name: str, window: int, softcap: float) -> dict:
         "alibi-causal": dict(causal=True, alibi=True),
         "alibi-full": dict(alibi=True),
         "window-softcap": dict(causal=True, window_size=(window, -1), softcap=softcap),
+        "sink-causal": dict(causal=True, sink=True),
+        "sink-full": dict(sink=True),
     }
-    return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False), **sets[name]}
+    return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, sink=False), **sets[name]}
 
 
 def causal_shaped(options: dict) -> bool:
@@ -88,11 +91,14 @@ class Problem:
         # ALiBi slopes as ALiBi's paper sets them: 2^(-8 (h + 1) / nheads).
         self.slopes = (torch.exp2(-8.0 * (torch.arange(nheads, device=device) + 1) / nheads).float()
                        if options["alibi"] else None)
+        # Sink logits near the rows' logsumexp (a few units), so each takes a fair share of its rows.
+        self.sink = (torch.linspace(1.0, 6.0, nheads, device=device).requires_grad_()
+                     if options["sink"] else None)
 
     def flash_kwargs(self) -> dict:
         o = self.options
         return dict(causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
-                    alibi_slopes=self.slopes)
+                    alibi_slopes=self.slopes, learnable_sink=self.sink)
 
 
 def flashtile_system(p: Problem):
@@ -110,6 +116,8 @@ def flex_system(p: Problem):
     from .dense import compiled_flex_attention
 
     o, slopes = p.options, p.slopes
+    if p.sink is not None:
+        raise ValueError("FlexAttention has no learnable sink")
     left, right = o["window_size"]
     if o["causal"]:
         right = 0
@@ -165,6 +173,7 @@ def reference(p: Problem, with_grads: bool) -> dict:
         with torch.enable_grad():
             out, _ = attention_naive(q, k, v, causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
                                      alibi_slopes=None if p.slopes is None else p.slopes[heads],
+                                     learnable_sink=None if p.sink is None else p.sink[heads].detach(),
                                      dtype=torch.float32)
             grads = torch.autograd.grad(out, (q, k, v), p.dout[:1, :, heads].float()) if with_grads else ()
         pieces["out"].append(out.detach())
