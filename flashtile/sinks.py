@@ -47,7 +47,7 @@ def add_sink(out: Tensor, lse: Tensor, sink: Tensor) -> Tuple[Tensor, Tensor]:
 def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
     """The sink's gradient, of sink's dtype, from out and lse with the sink (add_sink's)."""
     # rowsum(dO * O) in float32 (products rounded to bf16 / fp16 cost the sink's gradient a few 1e-4),
-    # from one float32 copy multiplied in place.
-    delta = out.float().mul_(dout).sum(-1)  # (..., rows, heads)
+    # from one float32 copy multiplied in place (a copy even when out is float32: out is saved).
+    delta = out.to(torch.float32, copy=True).mul_(dout).sum(-1)  # (..., rows, heads)
     sink_probs = _rows(torch.exp(sink.float().unsqueeze(-1) - lse))
     return -(sink_probs * delta).reshape(-1, sink.shape[0]).sum(0).to(sink.dtype)
