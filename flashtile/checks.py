@@ -281,3 +281,18 @@ def check_kvcache_contents(cache_seqlens, seqlen_new, capacity, cache_batch_idx,
     if rotary_len is not None and (lengths + rotated_positions_end).max().item() > rotary_len:
         raise ValueError(f"rotary_cos has {rotary_len} positions but the call rotates up to position "
                          f"{(lengths + rotated_positions_end).max().item() - 1}: the tables are too short")
+
+
+def check_aux_tensors(aux_tensors, device: torch.device, name: str = "aux_tensors") -> None:
+    """Raise unless ``aux_tensors`` is a sequence of contiguous tensors on ``device`` (a score or mask
+    mod reads them by pointer)."""
+    if isinstance(aux_tensors, torch.Tensor) or not isinstance(aux_tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(aux_tensors).__name__}")
+    for i, t in enumerate(aux_tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name}[{i}] is on {t.device} but q is on {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be contiguous (the mods index it by pointer), got strides "
+                             f"{tuple(t.stride())} for shape {tuple(t.shape)}")

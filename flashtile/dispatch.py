@@ -15,6 +15,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from . import autotune, checks
 from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_GLUON,
@@ -67,7 +68,7 @@ def hopper_takes(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     """Whether the Hopper kernel ``kernel`` computes these score options: anything but dropout (and a
     scale <= 0), except that the backward's head-dim-256 kernel (head dims above 128) takes no softcap,
     ALiBi or window."""
-    if params.dropout_p > 0.0 or params.softmax_scale <= 0:
+    if params.dropout_p > 0.0 or params.softmax_scale <= 0 or params.mods is not None:
         return False
     return kernel == FWD_GLUON or padded_head_dim(head_dim) <= 128 or not _score_options(params)
 
@@ -79,6 +80,8 @@ def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
         return f"dropout (dropout_p={params.dropout_p}): the Hopper kernels take no dropout"
     if params.softmax_scale <= 0:
         return f"softmax_scale={params.softmax_scale} <= 0: the Hopper kernels take positive scales"
+    if params.mods is not None:
+        return f"{' and '.join(params.mods.names())}: the Hopper kernels take no user mods (the portable ones do)"
     return (f"{' and '.join(_score_options(params))} at head dim {head_dim}: the Hopper backward takes score "
             "options at head dims up to 128 (its head-dim-256 kernel takes plain or causal attention only)")
 
@@ -181,6 +184,12 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     ran, which later calls of this signature may run directly (None: nothing to launch)."""
     if out.numel() == 0:
         return None
+    if params.mods is not None:  # no plan is kept: the mods' tensors are bound into the launch
+        _, _, max_seqlen_k = grid_lengths(q, k, seqs)
+        cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k,
+                         q.dtype)
+        _within_resources(lambda c: launch_forward(q, k, v, out, lse, params, c, seqs), cfg)
+        return None
     plan = _FORWARD_PLANS.get_or_make(_plan_key(params, seqs, q, k, v, out, lse),
                                       lambda: _forward_plan(q, k, v, out, lse, params, seqs))
     plan(q, k, v, out, lse, params, seqs)
@@ -193,7 +202,7 @@ def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optio
     Such calls spend their time streaming K and V, which a 128-row Hopper tile would read with most
     of its rows idle; the decode kernel's 16-row tiles, GQA heads as rows and split-KV keep every
     multiprocessor reading."""
-    if params.dropout_p > 0.0 or k.shape[1] == 0:
+    if params.dropout_p > 0.0 or k.shape[1] == 0 or params.mods is not None:
         return None
     if seqs is None:
         rows = q.shape[1]
@@ -324,9 +333,10 @@ def _plan_key(params: ScoreParams, seqs: Optional[PackedSeqs], *tensors) -> Opti
     plans.enabled() false). It holds all that the long way reads on the host: the score options,
     every tensor's signature (shape, strides, dtype, 16-byte alignment; the ALiBi slopes, the
     dropout seed and the packed batch's tensors included) and the packed batch's host lengths.
-    Never the tensors' contents: a plan serves any sequence lengths under the same maxima."""
+    Never the tensors' contents: a plan serves any sequence lengths under the same maxima. Calls
+    with score or mask mods keep no plan: their aux tensors are bound into the launch."""
     q = tensors[0]
-    if not q.is_cuda or not plans_enabled():
+    if not q.is_cuda or not plans_enabled() or params.mods is not None:
         return None
     key = (q.device, portable_only(), params.softmax_scale, params.softcap, params.window_left, params.window_right,
            params.dropout_p, tensor_signature(params.alibi_slopes), tensor_signature(params.dropout_seed),
@@ -478,9 +488,28 @@ def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
                               lambda c: time_config(BWD_DKDV, c))
         dq_cfg = _tuned(BWD_DQ, q, params, max_seqlen_k, dq_cfg, PORTABLE_CANDIDATES[BWD_DQ],
                         lambda c: time_config(BWD_DQ, c))
-    plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
-    plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
-    return plan
+    def run(dkdv_cfg, dq_cfg):
+        plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
+        plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
+        return plan
+    if params.mods is not None:
+        return _within_resources(run, dkdv_cfg, dq_cfg)
+    return run(dkdv_cfg, dq_cfg)
+
+
+def _within_resources(run: Callable, *cfgs: Config):
+    """run(*cfgs), retried with shallower pipelines, then narrower tiles, while the kernels need more
+    shared memory than the GPU has: a call's mods may load tiles of their own (a bias gathered per
+    score, pipelined like K and V), which the tables' configs did not plan for. The first fit runs."""
+    error = None
+    for fewer_stages, halvings in ((0, 0), (1, 0), (1, 1), (2, 1), (2, 2)):
+        candidates = [dataclasses.replace(cfg, num_stages=max(cfg.num_stages - fewer_stages, 1),
+                                          block_n=max(cfg.block_n >> halvings, 16)) for cfg in cfgs]
+        try:
+            return run(*candidates)
+        except OutOfResources as exc:
+            error = exc
+    raise error
 
 
 # Split-KV bounds: keys per split at least (below, the merge costs more than the extra programs

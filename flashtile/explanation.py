@@ -14,6 +14,7 @@ import torch
 from . import autotune, checks, runtime
 from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config
 from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision
+from .mods import native_options, resolve_mods
 from .options import PackedSeqs, grid_lengths, packed_seqs, resolve_options
 from .runtime import arch_of, interpreter_enabled
 from .varlen import _check_layout
@@ -71,14 +72,16 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
             max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
             seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
             block_table: Optional[torch.Tensor] = None,
-            device_capability: Optional[Tuple[int, int]] = None) -> Explanation:
+            device_capability: Optional[Tuple[int, int]] = None, score_mod=None, score_mod_bwd=None,
+            mask_mod=None, aux_tensors=None, block_mask=None) -> Explanation:
     """Which kernels ``flash_attn_func`` (dense q, k, v of (b, s, h, d)) or ``flash_attn_varlen_func``
     (packed (total, h, d) with cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k, optionally
     seqused and a paged block_table) would run for these tensors and options, and why. Checks the
     arguments as the call would (the same exceptions) and launches nothing.
 
     ``device_capability``: (major, minor) of a CUDA device to decide for in place of the tensors'
-    own, e.g. (9, 0) to see what an H100 would run from CPU or meta tensors.
+    own, e.g. (9, 0) to see what an H100 would run from CPU or meta tensors. The mod arguments
+    (score_mod, ..., block_mask) as the calls take them (docs/programmable.md).
     """
     packed = cu_seqlens_q is not None
     if not packed and any(t is not None for t in (cu_seqlens_k, seqused_q, seqused_k, block_table)):
@@ -100,8 +103,21 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
                          softcap=softcap, alibi_slopes=alibi_slopes, batch=batch, nheads=q.shape[-2],
                          device=q.device, deterministic=deterministic)
     deterministic = bool(deterministic)  # checked there, as the call checks it (bools, numpy bools, 0 / 1)
+    mods = None
+    if not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
+            and block_mask is None):
+        aligned = (cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None and block_table is None
+                   if packed else q.shape[1] == k.shape[1])
+        native = native_options(score_mod, score_mod_bwd is None and mask_mod is None and aux_tensors is None
+                                and block_mask is None, softcap, alibi_slopes, aligned)
+        if native is not None:  # as the calls do: a built-in mod that is one of the options
+            softcap, alibi_slopes = native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
+        else:
+            lengths = (max_seqlen_q, max_seqlen_k) if packed else (q.shape[1], k.shape[1])
+            mods = resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch, q.shape[-2],
+                                *lengths, q.device)
     params = resolve_options(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=batch)
-    params = dataclasses.replace(params, dropout_p=float(dropout_p))
+    params = dataclasses.replace(params, dropout_p=float(dropout_p), mods=mods)
 
     seqs: Optional[PackedSeqs] = None
     if packed:

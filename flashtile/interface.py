@@ -14,13 +14,20 @@ from typing import Optional, Tuple
 import torch
 
 from . import call_plans, checks, ops, sinks
-from .options import resolve_options
+from .mods import native_options, resolve_mods
+from .options import Mods, resolve_options
+
+# Calls with score / mask mods run eagerly: the custom ops' schemas cannot carry functions, so under
+# torch.compile they are a graph break (an error with fullgraph=True), not a silent change.
+_dense_attention_eager = torch.compiler.disable(ops.dense_attention)
+_dense_attention_with_sink_eager = torch.compiler.disable(ops.dense_attention_with_sink)
 
 
 def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-           return_attn_probs, call_key=None, learnable_sink=None):
+           return_attn_probs, call_key=None, learnable_sink=None, mods: Optional[Mods] = None):
     """The dense entry points after their layout checks; k / v None mark packed layouts (ops.py).
-    ``call_key``: the call_plans key of a flash_attn_func call that may leave a plan."""
+    ``call_key``: the call_plans key of a flash_attn_func call that may leave a plan. ``mods``:
+    resolved score / mask mods (mods.resolve_mods)."""
     if learnable_sink is not None:
         sinks.check_learnable_sink(learnable_sink, q_view.shape[2], q_view.device)
     params = resolve_options(q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -31,18 +38,27 @@ def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softc
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
-    if learnable_sink is None:
+    if mods is not None:
+        if learnable_sink is None:
+            out, lse = _dense_attention_eager(q, k, v, *tensors, floats, ints, mods)
+        else:
+            out, lse = _dense_attention_with_sink_eager(q, k, v, learnable_sink, *tensors, floats, ints, mods)
+    elif learnable_sink is None:
         out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)
     else:
         out, lse = ops.dense_attention_with_sink(q, k, v, learnable_sink, *tensors, floats, ints)
     if not return_attn_probs:
         return out
-    return out, lse, _probs(q, k, v, lse, None, None, None, None, None, tensors, floats, ints)
+    return out, lse, _probs(q, k, v, lse, None, None, None, None, None, tensors, floats, ints, mods)
 
 
-def _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors, floats, ints):
+def _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors, floats, ints,
+           mods: Optional[Mods] = None):
     """return_attn_probs: the probabilities from a separate op that has no gradient (testing only)."""
     detached = (None if t is None else t.detach() for t in (q, k, v))
+    if mods is not None:
+        return ops.attn_probs_body(*detached, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                                   *tensors, floats, ints, mods)
     return ops.attn_probs(*detached, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, *tensors,
                           floats, ints)
 
@@ -50,7 +66,8 @@ def _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, learnable_sink: Optional[torch.Tensor] = None):
+                    return_attn_probs: bool = False, learnable_sink: Optional[torch.Tensor] = None, *,
+                    score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, block_mask=None):
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, with O(seqlen) memory.
 
     Arguments:
@@ -73,10 +90,22 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
             joins each row's softmax with no value (gpt-oss's sinks): the row's weights sum to
             1 - exp(sink - lse), and lse includes it. Its gradient is returned when it requires
             grad; a row that sees no key gets out 0 and lse = sink. (flashtile's extension.)
+        score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask: programmable attention
+            (flashtile.mods: @triton.jit functions that change the scores and the mask, the tensors
+            they read, a block mask from flashtile.create_block_mask). They run on the portable
+            kernels, eagerly (a graph break under torch.compile). (flashtile's extension.)
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
     """
-    key = None if learnable_sink is not None else call_plans.dense_key(
+    programmable = not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
+                        and block_mask is None)
+    if programmable:
+        native = native_options(score_mod, score_mod_bwd is None and mask_mod is None and aux_tensors is None
+                                and block_mask is None, softcap, alibi_slopes, q.shape[1] == k.shape[1])
+        if native is not None:  # a built-in mod that is one of the options: the options' kernels
+            softcap, alibi_slopes = native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
+            score_mod, programmable = None, False
+    key = None if learnable_sink is not None or programmable else call_plans.dense_key(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if key is not None and call_plans.replay_possible():
         call = call_plans.DENSE_CALLS.get(key)
@@ -86,8 +115,12 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         checks.check_tensor(t, name, 4)
     checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
     checks.check_qkv_shapes(q, k, v)
+    mods = None
+    if programmable:
+        mods = resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, q.shape[0], q.shape[2],
+                            q.shape[1], k.shape[1], q.device)
     return _dense(q, k, v, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                  return_attn_probs, key, learnable_sink)
+                  return_attn_probs, key, learnable_sink, mods)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,

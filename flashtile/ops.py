@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import checks, sinks
 from .dispatch import attention_backward, attention_forward, attention_probs, kvcache_attention
-from .options import ScoreParams, packed_seqs
+from .options import Mods, ScoreParams, packed_seqs
 from .runtime import empty, empty_like, validate_enabled
 
 
@@ -75,12 +75,13 @@ def fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optio
     return _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints)
 
 
-def _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints):
+def _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints, mods=None):
     q, k, v = _unpack(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
     lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
-    attention_forward(q, k, v, out, lse, ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]))
+    params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]).with_mods(mods)
+    attention_forward(q, k, v, out, lse, params)
     return out, lse
 
 
@@ -99,11 +100,12 @@ def bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], out: 
     return _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints)
 
 
-def _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints):
+def _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints, mods=None):
     grads = [empty_like(t) for t in _given(q, k, v)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
     attention_backward(*_unpack(q, k, v), out, _unit_last_stride(dout), lse, *grad_views,
-                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), bool(ints[2]))
+                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]).with_mods(mods),
+                       bool(ints[2]))
     return grads
 
 
@@ -113,17 +115,18 @@ def _(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints):
 
 
 def _setup_fwd(ctx, inputs, output):
-    q, k, v, alibi_slopes, dropout_seed, floats, ints = inputs
+    # An eager call with mods (the ops take none) has them as one more input.
+    q, k, v, alibi_slopes, dropout_seed, floats, ints, *mods = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
-    ctx.options = (floats, ints)
+    ctx.options = (floats, ints, *mods)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse, backward=bwd):
     q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
     grads = iter(backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, *ctx.options))
-    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * 4
+    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * (2 + len(ctx.options))
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_setup_fwd)
@@ -150,9 +153,13 @@ _EagerDense = _eager_function("_EagerDense", _fwd_body, _setup_fwd, _fwd_backwar
 
 
 def dense_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                    dropout_seed: Optional[Tensor], floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
+                    dropout_seed: Optional[Tensor], floats: List[float], ints: List[int],
+                    mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
     """The fwd op, differentiable: torch.ops.flashtile.fwd while torch.compile traces (one opaque
-    node, AOT autograd sees its backward op), the same bodies through _EagerDense otherwise."""
+    node, AOT autograd sees its backward op), the same bodies through _EagerDense otherwise.
+    ``mods`` (score / mask mods): eager only, the bodies take them (the ops' schemas cannot)."""
+    if mods is not None:
+        return _EagerDense.apply(q, k, v, alibi_slopes, dropout_seed, floats, ints, mods)
     if torch.compiler.is_compiling():
         return fwd(q, k, v, alibi_slopes, dropout_seed, floats, ints)
     return _EagerDense.apply(q, k, v, alibi_slopes, dropout_seed, floats, ints)
@@ -181,7 +188,7 @@ def varlen_fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q
 
 
 def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
-                     dropout_seed, floats, ints):
+                     dropout_seed, floats, ints, mods=None):
     q, k, v = _unpack(q, k, v)
     max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
     if validate_enabled() or q.device.type == "cpu":
@@ -196,7 +203,8 @@ def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     # The kernels see a packed batch as (1, total, h, d) views.
     k4, v4 = (k, v) if block_table is not None else (k.unsqueeze(0), v.unsqueeze(0))
     attention_forward(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0),
-                      ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right), seqs)
+                      ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right)
+                      .with_mods(mods), seqs)
     return out, lse
 
 
@@ -218,7 +226,7 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor]
 
 
 def _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                     dropout_seed, floats, ints):
+                     dropout_seed, floats, ints, mods=None):
     max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic = ints
     seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, max_seqlen_q, max_seqlen_k)
     # A packed qkv has one cu_seqlens (no seqused); a packed kv follows the keys.
@@ -227,8 +235,8 @@ def _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sequse
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
     attention_backward(*(t.unsqueeze(0) for t in _unpack(q, k, v)), out.unsqueeze(0),
                        _unit_last_stride(dout).unsqueeze(0), lse.unsqueeze(0), *(g.unsqueeze(0) for g in grad_views),
-                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right), bool(deterministic),
-                       seqs)
+                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right)
+                       .with_mods(mods), bool(deterministic), seqs)
     return grads
 
 
@@ -240,12 +248,12 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
 
 def _setup_varlen_fwd(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
-     ints) = inputs
+     ints, *mods) = inputs  # mods: as _setup_fwd's
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
                           dropout_seed)
     ctx.paged = block_table is not None
-    ctx.options = (floats, ints)
+    ctx.options = (floats, ints, *mods)
     ctx.mark_non_differentiable(lse)
 
 
@@ -270,10 +278,10 @@ def _varlen_fwd_backward(ctx, dout, _dlse, backward=varlen_bwd):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed = ctx.saved_tensors
     if ctx.paged:
         # Gradients for all three, so the op stays in a compiled backward whichever input needs one.
-        return (*paged_no_backward(dout, q, k, v),) + (None,) * 9
+        return (*paged_no_backward(dout, q, k, v),) + (None,) * (7 + len(ctx.options))
     grads = iter(backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed,
                           *ctx.options))
-    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * 9
+    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * (7 + len(ctx.options))
 
 
 varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_setup_varlen_fwd)
@@ -286,10 +294,12 @@ _EagerVarlen = _eager_function("_EagerVarlen", _varlen_fwd_body, _setup_varlen_f
 def varlen_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
                      block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor],
-                     floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
+                     floats: List[float], ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
     """The varlen_fwd op, differentiable (see dense_attention)."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed,
             floats, ints)
+    if mods is not None:
+        return _EagerVarlen.apply(*args, mods)
     if torch.compiler.is_compiling():
         return varlen_fwd(*args)
     return _EagerVarlen.apply(*args)
@@ -311,18 +321,18 @@ class _SinkOp:
         return (self.forward_op if torch.compiler.is_compiling() else self.forward_body)(*inputs)
 
 
-def _dense_sink_backward(dout, out, lse, q, k, v, alibi_slopes, dropout_seed, floats, ints):
+def _dense_sink_backward(dout, out, lse, q, k, v, alibi_slopes, dropout_seed, floats, ints, *mods):
     backward = bwd if torch.compiler.is_compiling() else _bwd_body
-    return backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints)
+    return backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints, *mods)
 
 
 def _varlen_sink_backward(dout, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                          alibi_slopes, dropout_seed, floats, ints):
+                          alibi_slopes, dropout_seed, floats, ints, *mods):
     if block_table is not None:
         return paged_no_backward(dout, *_unpack(q, k, v))
     backward = varlen_bwd if torch.compiler.is_compiling() else _varlen_bwd_body
     return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                    dropout_seed, floats, ints)
+                    dropout_seed, floats, ints, *mods)
 
 
 _DENSE_SINK = _SinkOp(fwd, _fwd_body, _dense_sink_backward)
@@ -359,19 +369,25 @@ class _SinkAttention(torch.autograd.Function):
 
 def dense_attention_with_sink(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Tensor,
                               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
-                              ints: List[int]) -> Tuple[Tensor, Tensor]:
+                              ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
     """dense_attention with a learnable sink (sinks.py), differentiable in q, k, v and the sink."""
-    return _SinkAttention.apply(_DENSE_SINK, learnable_sink, q, k, v, alibi_slopes, dropout_seed, floats, ints)
+    return _SinkAttention.apply(_DENSE_SINK, learnable_sink, q, k, v, alibi_slopes, dropout_seed, floats, ints,
+                                *_given_mods(mods))
 
 
 def varlen_attention_with_sink(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Tensor,
                                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
                                seqused_k: Optional[Tensor], block_table: Optional[Tensor],
                                alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
-                               ints: List[int]) -> Tuple[Tensor, Tensor]:
+                               ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
     """varlen_attention with a learnable sink (sinks.py)."""
     return _SinkAttention.apply(_VARLEN_SINK, learnable_sink, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                seqused_k, block_table, alibi_slopes, dropout_seed, floats, ints)
+                                seqused_k, block_table, alibi_slopes, dropout_seed, floats, ints, *_given_mods(mods))
+
+
+def _given_mods(mods: Optional[Mods]) -> tuple:
+    """The trailing input an eager op body takes for mods: none without them."""
+    return () if mods is None else (mods,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,11 +401,19 @@ def attn_probs(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], lse: Tensor,
                floats: List[float], ints: List[int]) -> Tensor:
     """The probabilities (b, h, max_seqlen_q, max_seqlen_k) of the attention whose forward gave
     ``lse``, dropped entries negated; ``floats``, ``ints`` as that forward's. Dense without cu_seqlens."""
+    return attn_probs_body(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
+                           dropout_seed, floats, ints)
+
+
+def attn_probs_body(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
+                    dropout_seed, floats, ints, mods: Optional[Mods] = None) -> Tensor:
+    """attn_probs' body; eager calls with mods run it directly."""
     q, k, _ = _unpack(q, k, v)
     if cu_seqlens_q is None:
-        return attention_probs(q, k, lse, ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]), q.dtype)
+        params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]).with_mods(mods)
+        return attention_probs(q, k, lse, params, q.dtype)
     max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
-    params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right)
+    params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right).with_mods(mods)
     seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
     return attention_probs(q.unsqueeze(0), k if block_table is not None else k.unsqueeze(0), lse.unsqueeze(0),
                            params, q.dtype, seqs)

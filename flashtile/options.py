@@ -19,6 +19,65 @@ from . import checks
 _LOG2E = math.log2(math.e)
 
 
+@dataclass(frozen=True, eq=False)
+class ScoreMod:
+    """A score mod with its derivative and the tensors it reads (flashtile.mods builds the common
+    ones): ``fn(score, batch, head, q_idx, kv_idx, aux)`` and ``bwd(grad, score, batch, head, q_idx,
+    kv_idx, aux)``, both ``@triton.jit``, aux the tuple ``aux_tensors``."""
+
+    fn: object
+    bwd: Optional[object] = None
+    aux_tensors: tuple = ()
+    # The same scores as one of flash_attn's options ({"softcap": c}, or {"alibi_slopes": s} when
+    # queries and keys line up), which the Hopper kernels compute: flashtile.mods.native_options.
+    native: Optional[dict] = None
+    native_needs_aligned: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class MaskMod:
+    """A mask mod and the tensors it reads: ``fn(batch, head, q_idx, kv_idx, aux) -> keep``."""
+
+    fn: object
+    aux_tensors: tuple = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Mods:
+    """A call's programmable attention (flashtile/mods.py, block_mask.py): the user's ``@triton.jit``
+    score_mod (and its backward) and mask_mod, the tuples of tensors each reads, and an optional
+    block mask. Only the portable kernels take them; no launch plan keeps them (the aux tensors
+    are bound into the launch)."""
+
+    score_mod: Optional[object] = None
+    score_mod_bwd: Optional[object] = None
+    mask_mod: Optional[object] = None
+    score_aux: tuple = ()
+    mask_aux: tuple = ()
+    block_mask: Optional[object] = None  # block_mask.BlockMask
+
+    def names(self) -> List[str]:
+        """The mods set, by argument name (for the dispatcher's explanations)."""
+        return [name for name, value in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod),
+                                         ("block_mask", self.block_mask)) if value is not None]
+
+    def kernel_args(self, kernel: str, band: Optional[Tuple[int, int]]) -> dict:
+        """The portable kernels' arguments for these mods: ``kernel`` is "fwd", "dq", "dkdv" (these
+        take the block mask's lists, by query block or by key block) or "probs". ``band``: a dense
+        call's (window_left, window_right), None for packed calls (BlockMask.kernel_args)."""
+        args = dict(SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod, ScoreAux=self.score_aux,
+                    MaskAux=self.mask_aux)
+        if kernel in ("dq", "dkdv"):
+            if self.score_mod is not None and self.score_mod_bwd is None:
+                raise ValueError("a backward through score_mod needs score_mod_bwd, the derivative of the mod "
+                                 "(score_mod_bwd(grad, score, batch, head, q_idx, kv_idx, aux) -> grad of the "
+                                 "mod's input); the built-in mods of flashtile.mods carry theirs")
+            args["SCORE_MOD_BWD"] = self.score_mod_bwd
+        if kernel != "probs" and self.block_mask is not None:
+            args.update(self.block_mask.kernel_args(kernel == "dkdv", band))
+        return args
+
+
 @dataclass(frozen=True)
 class ScoreParams:
     """Everything that shapes the scores, shared by forward, backward and probs.
@@ -35,6 +94,7 @@ class ScoreParams:
     alibi_slopes: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     dropout_seed: Optional[torch.Tensor] = None
+    mods: Optional[Mods] = None
 
     @property
     def causal(self) -> bool:
@@ -45,7 +105,19 @@ class ScoreParams:
     def scaled_dot_products(self) -> bool:
         """Scores are q.k times a positive scale (no softcap, no ALiBi), so the scale can
         be folded into exp2's multiply-add after the row max."""
-        return self.softcap == 0.0 and self.alibi_slopes is None and self.softmax_scale > 0
+        return (self.softcap == 0.0 and self.alibi_slopes is None and self.softmax_scale > 0
+                and (self.mods is None or self.mods.score_mod is None))
+
+    def with_mods(self, mods: Optional[Mods]) -> "ScoreParams":
+        """These options with a call's score / mask mods (None: unchanged)."""
+        return self if mods is None else dataclasses.replace(self, mods=mods)
+
+    def mod_args(self, kernel: str, packed: bool) -> dict:
+        """Mods.kernel_args, or nothing without mods (the kernels' defaults: no mods). ``packed``: a
+        varlen call (the block mask's full tiles then keep their element masks)."""
+        if self.mods is None:
+            return {}
+        return self.mods.kernel_args(kernel, None if packed else (self.window_left, self.window_right))
 
     def op_args(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], List[float], int, int]:
         """The options as the custom ops' schemas take them: (alibi_slopes, dropout_seed,

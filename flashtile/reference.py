@@ -73,18 +73,31 @@ def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool
                     alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                     dropout_mask: Optional[torch.Tensor] = None,
                     dtype: Optional[torch.dtype] = torch.float64,
-                    learnable_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    learnable_sink: Optional[torch.Tensor] = None, score_mod=None,
+                    mask_mod=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention by the definition, computed in ``dtype`` (None: the input dtype).
 
     dropout_mask: boolean (b, h, sq, sk), True = kept, applied with scale 1/(1-p);
     dropout is only applied when it is given (the kernels' mask comes from their RNG).
     learnable_sink: (h,) logits, one more column of every row's softmax, with no value.
+    score_mod / mask_mod: PyTorch twins of the kernels' mods (flashtile.mods), called on the whole
+    matrix: ``score_mod(scores (b, h, sq, sk), b_idx, h_idx, q_idx, kv_idx)`` and ``mask_mod(b_idx,
+    h_idx, q_idx, kv_idx) -> keep``, with broadcastable index tensors (b, 1, 1, 1), (1, h, 1, 1),
+    (sq, 1), (1, sk).
     Differentiable: gradients through it are the reference gradients.
     """
     dtype = dtype or q.dtype
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     s = attention_scores(q, k, softmax_scale, softcap, alibi_slopes, dtype)
     keep = visible_keys_mask(seqlen_q, seqlen_k, window_size, causal, device=q.device)
+    if score_mod is not None or mask_mod is not None:
+        index = (torch.arange(s.shape[0], device=q.device)[:, None, None, None],
+                 torch.arange(s.shape[1], device=q.device)[None, :, None, None],
+                 torch.arange(seqlen_q, device=q.device)[:, None], torch.arange(seqlen_k, device=q.device)[None, :])
+        if score_mod is not None:
+            s = score_mod(s, *index)
+        if mask_mod is not None:
+            keep = keep & mask_mod(*index)
     s = s.masked_fill(~keep, float("-inf"))
     if learnable_sink is not None:
         sink_column = learnable_sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
@@ -161,6 +174,18 @@ def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: 
     return out, lse
 
 
+def _mods_of_sequence(options: dict, b: int) -> dict:
+    """``options`` with score_mod / mask_mod seeing sequence ``b`` of a packed batch as their batch
+    index (attention_naive runs it alone, as batch 0)."""
+    options = dict(options)
+    score_mod, mask_mod = options.get("score_mod"), options.get("mask_mod")
+    if score_mod is not None:
+        options["score_mod"] = lambda s, b_idx, *index: score_mod(s, b_idx + b, *index)
+    if mask_mod is not None:
+        options["mask_mod"] = lambda b_idx, *index: mask_mod(b_idx + b, *index)
+    return options
+
+
 def attention_varlen_naive(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
                            alibi_slopes: Optional[torch.Tensor] = None, dropout_mask: Optional[torch.Tensor] = None,
@@ -186,7 +211,8 @@ def attention_varlen_naive(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: to
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
         mask = None if dropout_mask is None else dropout_mask[b:b + 1, :, :used_q, :used_k]
-        out_b, lse_b = attention_naive(q_b, k_b, v_b, alibi_slopes=slopes, dropout_mask=mask, **options)
+        out_b, lse_b = attention_naive(q_b, k_b, v_b, alibi_slopes=slopes, dropout_mask=mask,
+                                       **_mods_of_sequence(options, b))
         outs.append(out_b[0])
         lses.append(lse_b[0])
         if used_q < reserved_q:

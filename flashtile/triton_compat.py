@@ -17,7 +17,8 @@ this module emits exactly the IR the direct call would):
 - ``reinterpret(buf, dtype, shape, layout)``: a shared-memory view of another type and shape
   (``buf._reinterpret`` up to 3.8, ``buf.reinterpret`` from 3.9).
 
-Host-side: the Triton version, whether Gluon imports (``gluon_import_error``), host tensor
+Host-side: the Triton version, whether Gluon imports (``gluon_import_error``), what a jit function
+is (``is_jit_function``: the user's score and mask mods), host tensor
 descriptors, the compiled-kernel launch that plans replay, and compiling a kernel for a target
 without a GPU (the compile checks).
 """
@@ -132,6 +133,14 @@ def tensor_descriptor(base, shape: list, strides: list, block: list):
     desc = object.__new__(_descriptor_class())
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, shape, strides, block, "zero"
     return desc
+
+
+def is_jit_function(fn) -> bool:
+    """Whether ``fn`` is a ``@triton.jit`` function (compiled, or the interpreter's stand-in under
+    TRITON_INTERPRET=1), the kind of function a kernel can call."""
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(fn, JITFunction) or type(fn).__name__ == "InterpretedFunction"
 
 
 def current_stream() -> int:

@@ -11,7 +11,12 @@ import torch
 
 from . import call_plans, checks, ops, sinks
 from .interface import _probs
-from .options import resolve_options
+from .mods import native_options, resolve_mods
+from .options import Mods, resolve_options
+
+# As interface.py's: calls with mods run eagerly (a graph break under torch.compile).
+_varlen_attention_eager = torch.compiler.disable(ops.varlen_attention)
+_varlen_attention_with_sink_eager = torch.compiler.disable(ops.varlen_attention_with_sink)
 
 
 def _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
@@ -41,9 +46,10 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
             block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, call_key=None, learnable_sink=None):
+            return_attn_probs, call_key=None, learnable_sink=None, mods: Optional[Mods] = None):
     """The varlen entry points after their checks; k / v None mark packed layouts (ops.py).
-    ``call_key``: the call_plans key of a flash_attn_varlen_func call that may leave a plan."""
+    ``call_key``: the call_plans key of a flash_attn_varlen_func call that may leave a plan.
+    ``mods``: resolved score / mask mods (mods.resolve_mods)."""
     if learnable_sink is not None:
         sinks.check_learnable_sink(learnable_sink, q_view.shape[1], q_view.device)
     params = resolve_options(q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -57,16 +63,20 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
-    if learnable_sink is None:
-        out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                                        *tensors, floats, ints)
+    layout = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
+    if mods is not None:
+        if learnable_sink is None:
+            out, lse = _varlen_attention_eager(q, k, v, *layout, *tensors, floats, ints, mods)
+        else:
+            out, lse = _varlen_attention_with_sink_eager(q, k, v, learnable_sink, *layout, *tensors, floats, ints,
+                                                         mods)
+    elif learnable_sink is None:
+        out, lse = ops.varlen_attention(q, k, v, *layout, *tensors, floats, ints)
     else:
-        out, lse = ops.varlen_attention_with_sink(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                                  seqused_k, block_table, *tensors, floats, ints)
+        out, lse = ops.varlen_attention_with_sink(q, k, v, learnable_sink, *layout, *tensors, floats, ints)
     if not return_attn_probs:
         return out
-    return out, lse, _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors,
-                            floats, ints)
+    return out, lse, _probs(q, k, v, lse, *layout, tensors, floats, ints, mods)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -75,7 +85,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: Optional[torch.Tensor] = None,
                            seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
-                           learnable_sink: Optional[torch.Tensor] = None):
+                           learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None, score_mod_bwd=None,
+                           mask_mod=None, aux_tensors=None, block_mask=None):
     """:func:`flashtile.flash_attn_func` on a packed batch of sequences of different lengths.
 
     Arguments:
@@ -100,11 +111,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             inputs that require grad too, and a backward through it raises a RuntimeError.
         learnable_sink: optional (nheads,) sink logits, as in flash_attn_func (rows past seqused_q
             get lse = sink).
+        score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask: as in flash_attn_func; the mods
+            see each sequence's own positions and its index as the batch. A block mask is built for
+            (batch, nheads, max_seqlen_q, max_seqlen_k).
     Returns:
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
-    key = None if learnable_sink is not None else call_plans.varlen_key(
+    programmable = not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
+                        and block_mask is None)
+    if programmable:  # as flash_attn_func's; queries line up with keys when they share cu_seqlens
+        native = native_options(score_mod, score_mod_bwd is None and mask_mod is None and aux_tensors is None
+                                and block_mask is None, softcap, alibi_slopes,
+                                cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None
+                                and block_table is None)
+        if native is not None:
+            softcap, alibi_slopes = native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
+            score_mod, programmable = None, False
+    key = None if learnable_sink is not None or programmable else call_plans.varlen_key(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k)
     if key is not None and call_plans.replay_possible():
@@ -113,9 +137,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             return call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
                         call.call_params(alibi_slopes))
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
+    mods = None
+    if programmable:
+        mods = resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, cu_seqlens_q.shape[0] - 1,
+                            q.shape[1], int(max_seqlen_q), int(max_seqlen_k), q.device)
     return _varlen(q, k, v, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, key, learnable_sink)
+                   return_attn_probs, key, learnable_sink, mods)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: float = 0.0,

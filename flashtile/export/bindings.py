@@ -240,6 +240,8 @@ def _score_params(options) -> dict:
               "window_left": "window_left" if "left" in options else "0",
               "window_right": "window_right" if "right" in options else "0",
               "dropout_p": ("float", "0.0"), "stride_alibi_b": "alibi_sb" if "alibi" in options else "0"}
+    # The block mask's scalars (kernels/portable): the C library takes no mods.
+    params.update({"stride_lists_b": "0", "stride_lists_h": "0", "list_width": "0"})
     if "alibi" in options:
         params["AlibiSlopes"] = Pointer("alibi")
     return params

@@ -21,7 +21,9 @@ from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_DEC
                        PORTABLE_CANDIDATES, GluonBwdConfig, GluonFwdConfig, KernelConfig, padded_head_dim,
                        table_config)
 from ..kernels import plans
-from ..options import PackedSeqs, ScoreParams
+from ..block_mask import BlockMask
+from ..kernels.portable import mods as builtin_mods
+from ..options import Mods, PackedSeqs, ScoreParams
 from .common import CallSpec
 
 ARCH = "sm90"
@@ -322,6 +324,20 @@ def _option_params(causal: bool, batch: int, nheads: int) -> ScoreParams:
                        window_right=0 if causal else 256, alibi_slopes=_empty(batch, nheads, dtype=torch.float32))
 
 
+def _mod_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
+    """Programmable attention at once: a score mod with its backward (a relative-position bias), a
+    mask mod (documents) and a block mask of 128 x 128 blocks (its lists as meta tensors)."""
+    blocks = -(-seqlen // 128)
+    counts, indices = _empty(1, nheads, blocks, dtype=torch.int32), _empty(1, nheads, blocks, blocks, dtype=torch.int32)
+    lists = (counts, indices, counts, indices)
+    documents = _empty(seqlen, dtype=torch.int32)
+    block_mask = BlockMask(builtin_mods.document_mask, (documents,), None, nheads, seqlen, seqlen, (128, 128),
+                           _empty(1, nheads, blocks, blocks, dtype=torch.int8), lists, lists)
+    mods = Mods(builtin_mods.relative_bias_score, builtin_mods.additive_bwd, builtin_mods.document_mask,
+                (_empty(nheads, 33, dtype=torch.float32), _empty(1, dtype=torch.int32)), (documents,), block_mask)
+    return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
+
+
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper forward: a dense batch, a packed one, and a dense batch with
     every score option at once (a sliding window, softcap, (b, h) ALiBi slopes)."""
@@ -398,6 +414,7 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
         ("fwd/decode-pack-gqa", "fwd", lambda: launch_forward(
             q4, k4, k4, out4, lse4, params, dec, PackedSeqs(None, None, 4, 600, dense_batch=2),
             splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True)),
+        ("fwd/mods", "fwd", lambda: launch_forward(q, q, q, out, lse, _mod_params(causal, h, 512), cfg)),
     ]
     k1 = _empty(2, 1, max(h // 4, 1), d, dtype=dtype)
     cache = _empty(20, 32, max(h // 4, 1), d, dtype=dtype)
@@ -410,7 +427,8 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
 
 
 def portable_bwd_builds(d: int, causal: bool, dtype) -> list:
-    """(layout, build) of the portable backward (preprocess, dK/dV, dQ), dense and packed."""
+    """(layout, build) of the portable backward (preprocess, dK/dV, dQ), dense and packed, and dense
+    with score and mask mods and a block mask."""
     h = 1024 // d
     params = _params(causal)
     pre, dkdv, dq = (table_config(kernel, ARCH, d, causal, 4096, dtype)
@@ -423,7 +441,8 @@ def portable_bwd_builds(d: int, causal: bool, dtype) -> list:
     cu = _ints([0, 400, 1000])
     dense, packed = tensors(2, 512), tensors(1, 1000)
     return [("dense", lambda: portable_backward(*dense, params, pre, dkdv, dq)),
-            ("varlen", lambda: portable_backward(*packed, params, pre, dkdv, dq, PackedSeqs(cu, cu, 600, 600)))]
+            ("varlen", lambda: portable_backward(*packed, params, pre, dkdv, dq, PackedSeqs(cu, cu, 600, 600))),
+            ("mods", lambda: portable_backward(*dense, _mod_params(causal, h, 512), pre, dkdv, dq))]
 
 
 def catalog(head_dims: Sequence[int] = (64, 128, 256), dtype=torch.bfloat16, with_candidates: bool = False,

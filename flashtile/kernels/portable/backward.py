@@ -13,7 +13,8 @@ import triton.language as tl
 
 from .dropout import dropout_keep, dropout_row_offset
 from .forward import load_alibi_slope_log2
-from .scores import LOG2E, band_block_range, mask_scores, scores_log2
+from .scores import (LOG2E, band_block_range, listed_tile_start, mask_mod_scores, mask_scores, mod_positions,
+                     score_mod_log2, scores_log2)
 from .seqlens import sequence_bounds
 from .tile_io import load_tile, store_tile
 
@@ -68,21 +69,28 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base, stride_qs, stride_dos,
+def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base, stride_qs, stride_dos, b, h,
                        row_start, row_end, cols, offs_m, offs_d,
                        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
                        window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
-    """Add the contributions of query blocks [row_start, row_end) to this key block's dK, dV.
+                       DOT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr,
+                       MASK_MOD: tl.constexpr, score_aux, mask_aux, block_list=None, MASK_BLOCK_M: tl.constexpr = 1):
+    """Add the contributions of query blocks [row_start, row_end) to this key block's dK, dV (with a
+    block mask's ``block_list``: its tiles, as forward._fwd_key_blocks walks them).
 
     Works on transposed (keys x queries) tiles, so that every tl.dot takes loaded tiles
     or tiles in their natural layout (no transposes of computed tiles). The score and
     mask helpers see the band from the keys' side: diag negated, left and right swapped.
     """
-    for start_m in range(row_start, row_end, BLOCK_M):
+    step_size: tl.constexpr = BLOCK_M if block_list is None else 1
+    for step in range(row_start, row_end, step_size):
+        if block_list is None:
+            start_m = step
+        else:
+            start_m = listed_tile_start(block_list, step, MASK_BLOCK_M, BLOCK_M)
         rows = start_m + offs_m
         q = load_tile(q_base, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, APPLY_MASK)
         do = load_tile(do_base, rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, APPLY_MASK)
@@ -95,9 +103,15 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         s_t, t_t = scores_log2(qk_t, cols, rows, -diag, qk_scale, softcap_log2, alibi_slope_log2,
                                HAS_SOFTCAP, HAS_ALIBI)
+        if (SCORE_MOD is not None) or (MASK_MOD is not None):
+            q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, True)
+        if SCORE_MOD is not None:
+            s_t, s_in_t = score_mod_log2(s_t, b, h, q_idx, kv_idx, SCORE_MOD, score_aux)
         if APPLY_MASK:
             s_t = mask_scores(s_t, cols, rows, seqlen_k, seqlen_q, -diag, window_right, window_left,
                               HAS_RIGHT, HAS_LEFT)
+            if MASK_MOD is not None:
+                s_t = mask_mod_scores(s_t, b, h, q_idx, kv_idx, MASK_MOD, mask_aux)
         p_t = tl.exp2(s_t - lse_log2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
@@ -110,6 +124,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
         else:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SCORE_MOD is not None:
+            ds_t = SCORE_MOD_BWD(ds_t, s_in_t, b, h, q_idx, kv_idx, score_aux)
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
@@ -134,6 +150,9 @@ def attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_BWD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
+    ScoreAux=None, MaskAux=None, BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
+    MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     h_kv = tl.program_id(1)
@@ -172,24 +191,43 @@ def attn_bwd_dkdv_kernel(
         row_offset = b.to(tl.int64) * stride_delta_b + h.to(tl.int64) * stride_delta_h + q_start  # LseLog2, Delta
         dropout_row = dropout_row_offset(b, h, nheads, total_q, q_start)
         alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-            lo, full_lo, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-            full_lo, full_hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-            full_hi, hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION)
+        if BlockLists is None:
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+                b, h, lo, full_lo, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
+                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux)
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+                b, h, full_lo, full_hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
+                HEAD_DIM, BLOCK_D, BLOCK_M, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux)
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+                b, h, full_hi, hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
+                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux)
+        else:
+            # The block mask's lists seen from the keys (query blocks per key block): partial, then full.
+            count, indices, full_count, full_indices = BlockLists
+            list_row = b * stride_lists_b + h * stride_lists_h + start_n // MASK_BLOCK_N
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+                b, h, 0, tl.load(count + list_row) * (MASK_BLOCK_M // BLOCK_M), cols, offs_m, offs_d, seqlen_q,
+                seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right, dropout_seed,
+                dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
+                MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M)
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
+                b, h, 0, tl.load(full_count + list_row) * (MASK_BLOCK_M // BLOCK_M), cols, offs_m, offs_d, seqlen_q,
+                seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right, dropout_seed,
+                dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, FULL_TILES_MASKED, HAS_LEFT,
+                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, None,
+                ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M)
 
     dk = dk * softmax_scale
     store_tile(DK + b.to(tl.int64) * stride_dkb + k_start * stride_dks + h_kv.to(tl.int64) * stride_dkh,
@@ -199,31 +237,46 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs,
+def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h,
                    col_start, col_end, rows, offs_n, offs_d,
                    seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
                    window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """Add the contributions of key blocks [col_start, col_end) to this query block's dQ."""
-    for start_n in range(col_start, col_end, BLOCK_N):
+                   DOT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr,
+                   MASK_MOD: tl.constexpr, score_aux, mask_aux, block_list=None, MASK_BLOCK_N: tl.constexpr = 1):
+    """Add the contributions of key blocks [col_start, col_end) to this query block's dQ (with a
+    block mask's ``block_list``: its tiles, as forward._fwd_key_blocks walks them)."""
+    step_size: tl.constexpr = BLOCK_N if block_list is None else 1
+    for step in range(col_start, col_end, step_size):
+        if block_list is None:
+            start_n = step
+        else:
+            start_n = listed_tile_start(block_list, step, MASK_BLOCK_N, BLOCK_N)
         cols = start_n + offs_n
         k = load_tile(k_base, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
         v = load_tile(v_base, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, t = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
                            HAS_SOFTCAP, HAS_ALIBI)
+        if (SCORE_MOD is not None) or (MASK_MOD is not None):
+            q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False)
+        if SCORE_MOD is not None:
+            s, s_in = score_mod_log2(s, b, h, q_idx, kv_idx, SCORE_MOD, score_aux)
         if APPLY_MASK:
             s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                s = mask_mod_scores(s, b, h, q_idx, kv_idx, MASK_MOD, mask_aux)
         p = tl.exp2(s - lse_log2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
             keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
+        if SCORE_MOD is not None:
+            ds = SCORE_MOD_BWD(ds, s_in, b, h, q_idx, kv_idx, score_aux)
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -247,6 +300,9 @@ def attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, SCORE_MOD_BWD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
+    ScoreAux=None, MaskAux=None, BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
+    MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
@@ -282,21 +338,43 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = band_block_range(start_m, seqlen_q, seqlen_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, lo, full_lo,
-                        rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-                        alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                        HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi,
-                        rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-                        alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                        HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, full_hi, hi,
-                        rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-                        alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                        HAS_DROPOUT, DOT_PRECISION)
+    if BlockLists is None:
+        dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, lo, full_lo,
+                            rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
+                            dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
+                            MaskAux)
+        dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, full_lo, full_hi,
+                            rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
+                            dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
+                            MaskAux)
+        dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, full_hi, hi,
+                            rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                            alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
+                            dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
+                            MaskAux)
+    else:
+        # The block mask's partial key tiles, then its full ones (as the forward visits them).
+        count, indices, full_count, full_indices = BlockLists
+        list_row = b * stride_lists_b + h * stride_lists_h + start_m // MASK_BLOCK_M
+        dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h,
+                            0, tl.load(count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
+                            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+                            window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D,
+                            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+                            SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
+                            indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
+        dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h,
+                            0, tl.load(full_count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
+                            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+                            window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D,
+                            BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, None, ScoreAux, MaskAux,
+                            full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
     dq = dq * softmax_scale
     store_tile(DQ + b.to(tl.int64) * stride_dqb + q_start * stride_dqs + h.to(tl.int64) * stride_dqh,
                dq.to(DQ.dtype.element_ty), rows, offs_d, stride_dqs, seqlen_q, HEAD_DIM, BLOCK_D)

@@ -5,7 +5,8 @@ import triton
 import triton.language as tl
 
 from .dropout import dropout_keep, dropout_row_offset
-from .scores import LN2, LOG2E, band_block_range, mask_scores, scores_log2
+from .scores import (LN2, LOG2E, band_block_range, listed_tile_start, mask_mod_scores, mask_scores, mod_positions,
+                     score_mod_log2, scores_log2)
 from .seqlens import sequence_bounds
 from .tile_io import load_kv_rows, load_rows, store_rows
 
@@ -20,7 +21,7 @@ def load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI: tl.const
 
 
 @triton.jit
-def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs,
+def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs,
                     col_start, col_end, rows, offs_n, offs_d,
                     seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
                     window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
@@ -30,9 +31,18 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_v
                     DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
                     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                     BlockTable, stride_bt, page_stride_k, page_stride_v, num_pages, key_shift,
-                    PAGE_SIZE: tl.constexpr):
-    """Fold key blocks [col_start, col_end) into the running (acc, m_i, l_i)."""
-    for start_n in tl.range(col_start, col_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+                    PAGE_SIZE: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, score_aux, mask_aux,
+                    block_list=None, MASK_BLOCK_N: tl.constexpr = 1):
+    """Fold key blocks [col_start, col_end) into the running (acc, m_i, l_i). APPLY_MASK: the
+    element masks (bounds, band, mask_mod); without it the blocks must lie wholly inside.
+    With a ``block_list`` (a block mask's, scores.py): its tiles [col_start, col_end) instead, tile
+    t being BLOCK_N keys of the block of MASK_BLOCK_N keys listed at t // (MASK_BLOCK_N // BLOCK_N)."""
+    step_size: tl.constexpr = BLOCK_N if block_list is None else 1
+    for step in tl.range(col_start, col_end, step_size, warp_specialize=WARP_SPECIALIZE):
+        if block_list is None:
+            start_n = step
+        else:
+            start_n = listed_tile_start(block_list, step, MASK_BLOCK_N, BLOCK_N)
         cols = start_n + offs_n
         k = load_kv_rows(k_src, b, h_kv, start_n, cols, offs_d, stride_ks, seqlen_k, BlockTable, stride_bt,
                          page_stride_k, num_pages, key_shift, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
@@ -46,13 +56,19 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_v
             s, _ = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
                                HAS_SOFTCAP, HAS_ALIBI)
             scale = 1.0
+            if SCORE_MOD is not None:
+                q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False)
+                s, _ = score_mod_log2(s, b, h, q_idx, kv_idx, SCORE_MOD, score_aux)
         if APPLY_MASK:
             s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False)
+                s = mask_mod_scores(s, b, h, q_idx, kv_idx, MASK_MOD, mask_aux)
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-        if APPLY_MASK:
-            # A row with every key masked so far keeps m = -inf; subtract 0 instead so
-            # exp2 gives 0, not NaN.
+        if APPLY_MASK or (SCORE_MOD is not None):
+            # A row with every key masked so far (or scored -inf by a score_mod) keeps m = -inf;
+            # subtract 0 instead so exp2 gives 0, not NaN.
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
@@ -89,6 +105,9 @@ def attn_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PACK_GQA: tl.constexpr = False, stride_lse_r=1,
+    SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None, ScoreAux=None, MaskAux=None,
+    BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
+    MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
@@ -102,7 +121,14 @@ def attn_fwd_kernel(
     PACK_GQA (decoding a few query rows with GQA; not with TMA, ALiBi or dropout): program id 1 is a
     kv head, and the tile's rows are (query row, query head of its group) pairs, row r being query
     r // head_group of head h_kv * head_group + r % head_group: the group's heads share each K and
-    V tile instead of reading it once per head."""
+    V tile instead of reading it once per head.
+    SCORE_MOD / MASK_MOD (not with PACK_GQA): the user's jit functions (scores.py), reading the
+    tuples ScoreAux / MaskAux. BlockLists (count, indices, full count, full indices) of a block mask
+    (flashtile/block_mask.py): per (batch, head, MASK_BLOCK_M query rows) the partial and the full
+    blocks of MASK_BLOCK_N keys; a row of counts lies at b * stride_lists_b + h * stride_lists_h,
+    its lists list_width apart. BLOCK_M and BLOCK_N divide the mask's blocks. Full blocks need no
+    element mask (the host folded the band and the sequence ends into the lists) unless
+    FULL_TILES_MASKED."""
     split = 0
     pid_m = tl.program_id(0)
     if SPLIT_KV:
@@ -187,28 +213,56 @@ def attn_fwd_kernel(
         hi = tl.maximum(tl.minimum(hi, first + keys_per_split), lo)
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    # Edge blocks on the left of the band, blocks wholly inside it, edge blocks on the right.
-    acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
-        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-        dropout_seed, dropout_row, dropout_row_len, dropout_p,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
-        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE)
-    acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
-        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-        dropout_seed, dropout_row, dropout_row_len, dropout_p,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
-        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE)
-    acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, k_src, v_src, b, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
-        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-        dropout_seed, dropout_row, dropout_row_len, dropout_p,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-        DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
-        BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE)
+    if BlockLists is None:
+        # Edge blocks on the left of the band, blocks wholly inside it (masked only for a mask_mod), edge
+        # blocks on the right.
+        acc, m_i, l_i = _fwd_key_blocks(
+            acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
+            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            dropout_seed, dropout_row, dropout_row_len, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+            BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux)
+        acc, m_i, l_i = _fwd_key_blocks(
+            acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
+            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            dropout_seed, dropout_row, dropout_row_len, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+            BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux)
+        acc, m_i, l_i = _fwd_key_blocks(
+            acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
+            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            dropout_seed, dropout_row, dropout_row_len, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+            BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux)
+    else:
+        # The block mask's partial tiles (element masks, mask_mod included), then its full ones (element
+        # masks only when FULL_TILES_MASKED: packed sequences end anywhere); empty ones never come.
+        count, indices, full_count, full_indices = BlockLists
+        list_row = b * stride_lists_b + h * stride_lists_h + start_q // MASK_BLOCK_M
+        acc, m_i, l_i = _fwd_key_blocks(
+            acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs,
+            0, tl.load(count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
+            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            dropout_seed, dropout_row, dropout_row_len, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
+            BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
+        acc, m_i, l_i = _fwd_key_blocks(
+            acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs,
+            0, tl.load(full_count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
+            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            dropout_seed, dropout_row, dropout_row_len, dropout_p,
+            HEAD_DIM, BLOCK_D, BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
+            BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
+            SCORE_MOD, None, ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
 
     # A row that saw no key at all (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0

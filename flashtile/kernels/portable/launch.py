@@ -8,6 +8,7 @@ the same kernels serve both (see seqlens.py). Which kernels and configs a call g
 flashtile/dispatch.py; the classes here are the launch plans it keeps per call signature.
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -24,6 +25,7 @@ from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preproc
 from .combine import attn_combine_kernel
 from .forward import attn_fwd_kernel
 from .kvcache_update import kvcache_update_kernel
+from .mods import block_mask_classes_kernel
 from .probs import attn_probs_kernel
 
 
@@ -81,6 +83,16 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs] = N
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
 
 
+def fit_block_mask(cfg, params: ScoreParams):
+    """``cfg`` with tiles that divide the blocks of the call's block mask (its tiles then lie inside
+    one block each, whose class is theirs); unchanged without one. Both are powers of two."""
+    block_mask = None if params.mods is None else params.mods.block_mask
+    if block_mask is None:
+        return cfg
+    block_q, block_k = block_mask.block_size
+    return dataclasses.replace(cfg, block_m=min(cfg.block_m, block_q), block_n=min(cfg.block_n, block_k))
+
+
 def forward_kernel(q, k, seqs: Optional[PackedSeqs]) -> str:
     """Which portable forward config serves the call: FWD_DECODE for packed batches of a few
     query rows per sequence (kv-cache decoding), FWD otherwise."""
@@ -106,6 +118,7 @@ class PortableForward:
                  splits: Optional[tuple] = None, pack_gqa: bool = False):
         batch, max_seqlen_q, _ = grid_lengths(q, k, seqs)
         nheads, head_dim = q.shape[2], q.shape[3]
+        cfg = fit_block_mask(cfg, params)
         if pack_gqa:  # tiles of (query row, head of the group) rows, one program column per kv head
             max_seqlen_q, nheads = max_seqlen_q * (nheads // k.shape[2]), k.shape[2]
         block_d = padded_head_dim(head_dim)
@@ -129,7 +142,8 @@ class PortableForward:
                  split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
                  SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
                  WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 **({"PACK_GQA": True} if pack_gqa else {}), **_row_stride(lse), **cfg.launch_kwargs()),
+                 **({"PACK_GQA": True} if pack_gqa else {}), **_row_stride(lse),
+                 **params.mod_args("fwd", seqs is not None), **cfg.launch_kwargs()),
             slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ",
                    "SeqUsedK", "BlockTable", "KeyShift"))
 
@@ -261,6 +275,7 @@ def portable_bwd_call(kernel: str, q, k, v, dout, delta, grads: tuple, params: S
     """The portable dK/dV (kernel BWD_DKDV, grads (dk, dv)) or dQ (BWD_DQ, grads (dq,)) launch,
     taking portable_bwd_tensors(...) + grads."""
     batch, max_seqlen_q, max_seqlen_k = grid_lengths(q, k, seqs)
+    cfg = fit_block_mask(cfg, params)
     if kernel == BWD_DKDV:
         fn, grid, names = attn_bwd_dkdv_kernel, (triton.cdiv(max_seqlen_k, cfg.block_n), k.shape[2], batch), ("DK", "DV")
     else:
@@ -271,7 +286,8 @@ def portable_bwd_call(kernel: str, q, k, v, dout, delta, grads: tuple, params: S
         (q, k, v, dout, None, delta, *grads, *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v),
          *_bsh_strides(dout), *grad_strides, *_bh_strides(delta)),
         dict(**_seq_args(seqs), softmax_scale=params.softmax_scale, **_shape_args(q, k), **params.kernel_args(q.dtype),
-             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch_kwargs()),
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             **params.mod_args("dkdv" if kernel == BWD_DKDV else "dq", seqs is not None), **cfg.launch_kwargs()),
         slots=_PORTABLE_BWD_SLOTS + names)
 
 
@@ -326,7 +342,7 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
         q, k, lse, probs,
         *_bsh_strides(q), *_bsh_strides(k), *_bh_strides(lse),
         probs.stride(0), probs.stride(1), probs.stride(2), **_seq_args(seqs), **_page_args(k, seqs),
-        **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
+        **_shape_args(q, k, seqs), **params.kernel_args(q.dtype), **params.mod_args("probs", seqs is not None),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **triton_compat.LAUNCH_OPTIONS,
     )
     return probs
@@ -408,3 +424,18 @@ def launch_kvcache_update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cac
     plan = kvcache_update_plan(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table,
                                interleaved, query_per_step)
     return plan(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)
+
+
+def block_mask_classes(mask_mod, mask_aux: tuple, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
+                       block_q: int, block_k: int, device) -> torch.Tensor:
+    """int8 (batch, nheads, query blocks, key blocks): 0 where ``mask_mod`` keeps nothing of a block,
+    2 where it keeps all of it (inside the sequences), 1 otherwise (flashtile/block_mask.py)."""
+    shape = (batch, nheads, triton.cdiv(seqlen_q, block_q), triton.cdiv(seqlen_k, block_k))
+    classes = torch.empty(shape, dtype=torch.int8, device=device)
+    if classes.numel() == 0:
+        return classes
+    block_mask_classes_kernel[(shape[2], shape[3], batch * nheads)](
+        classes, classes.stride(0), classes.stride(1), classes.stride(2), nheads, seqlen_q, seqlen_k, mask_aux,
+        MASK_MOD=mask_mod, BLOCK_Q=block_q, BLOCK_K=block_k, SUB_Q=min(block_q, max(1, 4096 // block_k)),
+        **triton_compat.LAUNCH_OPTIONS)
+    return classes

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .dropout import dropout_keep, dropout_row_offset
 from .forward import load_alibi_slope_log2
-from .scores import LOG2E, mask_scores, scores_log2
+from .scores import LOG2E, mask_mod_scores, mask_scores, mod_positions, score_mod_log2, scores_log2
 from .seqlens import sequence_bounds
 from .tile_io import load_kv_rows, load_tile
 
@@ -31,6 +31,7 @@ def attn_probs_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None, ScoreAux=None, MaskAux=None,
 ):
     """Probs: (b, h, max_seqlen_q, max_seqlen_k); entries outside a sequence's own
     (seqlen_q, seqlen_k) are left as they are (the host zero-fills them for varlen)."""
@@ -74,8 +75,14 @@ def attn_probs_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, _ = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
                            HAS_SOFTCAP, HAS_ALIBI)
+        if (SCORE_MOD is not None) or (MASK_MOD is not None):
+            q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False)
+        if SCORE_MOD is not None:
+            s, _ = score_mod_log2(s, b, h, q_idx, kv_idx, SCORE_MOD, ScoreAux)
         s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
                         HAS_LEFT, HAS_RIGHT)
+        if MASK_MOD is not None:
+            s = mask_mod_scores(s, b, h, q_idx, kv_idx, MASK_MOD, MaskAux)
         p = tl.exp2(s - lse_log2[:, None])
         if HAS_DROPOUT:
             keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)

@@ -1,7 +1,8 @@
 """The score pipeline, written once for the forward and backward kernels.
 
-Order (flash_attn's): s = q.k * scale -> softcap -> + ALiBi bias -> causal / window / bounds mask.
-Scores are kept in log2 units (log2(e) folded into the scale) so the softmax uses exp2.
+Order (flash_attn's): s = q.k * scale -> softcap -> + ALiBi bias -> the user's score_mod ->
+causal / window / bounds mask and the user's mask_mod. Scores are kept in log2 units (log2(e) folded
+into the scale) so the softmax uses exp2; the mods see natural units.
 """
 
 import triton
@@ -52,6 +53,46 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_rig
     if HAS_LEFT:
         keep = keep & (cols[None, :] >= rows[:, None] + diag - window_left)
     return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def mod_positions(rows, cols, seqlen_q, seqlen_k, KEYS_FIRST: tl.constexpr):
+    """(q_idx, kv_idx): the positions a score or mask mod sees, clamped into the sequence (a mod may
+    index its aux tensors with them; the clamped rows and columns are masked off anyway). A column
+    and a row of a queries-by-keys tile, or with KEYS_FIRST a row and a column (the dK/dV kernel's
+    keys-by-queries tiles)."""
+    q_idx = tl.minimum(rows, tl.maximum(seqlen_q - 1, 0))
+    kv_idx = tl.minimum(cols, tl.maximum(seqlen_k - 1, 0))
+    if KEYS_FIRST:  # one return for both layouts: the compiler wants one return type
+        q_idx = q_idx[None, :]
+        kv_idx = kv_idx[:, None]
+    else:
+        q_idx = q_idx[:, None]
+        kv_idx = kv_idx[None, :]
+    return q_idx, kv_idx
+
+
+@triton.jit
+def score_mod_log2(s, b, h, q_idx, kv_idx, SCORE_MOD: tl.constexpr, score_aux):
+    """The user's score_mod on log2-unit scores ``s``: it sees and returns natural units (the scale,
+    softcap and ALiBi applied). Returns (the modded scores in log2 units, the mod's input, which the
+    backward's score_mod_bwd takes)."""
+    s_in = s * LN2
+    return SCORE_MOD(s_in, b, h, q_idx, kv_idx, score_aux) * LOG2E, s_in
+
+
+@triton.jit
+def mask_mod_scores(s, b, h, q_idx, kv_idx, MASK_MOD: tl.constexpr, mask_aux):
+    """-inf where the user's mask_mod says a query does not see a key."""
+    return tl.where(MASK_MOD(b, h, q_idx, kv_idx, mask_aux), s, float("-inf"))
+
+
+@triton.jit
+def listed_tile_start(block_list, t, MASK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """The first row (or key) of tile t of the blocks a block mask lists: the blocks of MASK_BLOCK
+    are walked in BLOCK-sized tiles, in the list's order."""
+    tiles_per_block: tl.constexpr = MASK_BLOCK // BLOCK
+    return tl.load(block_list + t // tiles_per_block) * MASK_BLOCK + (t % tiles_per_block) * BLOCK
 
 
 @triton.jit

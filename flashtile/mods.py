@@ -1,0 +1,155 @@
+"""Programmable attention: score and mask mods (the ``score_mod=``, ``score_mod_bwd=``,
+``mask_mod=``, ``aux_tensors=`` and ``block_mask=`` arguments of flash_attn_func and
+flash_attn_varlen_func), and built-in mods with their derivatives.
+
+A mod is a ``@triton.jit`` function that the portable kernels call on every tile:
+
+- ``score_mod(score, batch, head, q_idx, kv_idx, aux) -> score``: ``score`` is a float32 tile of
+  scores in natural units (scaled, capped, ALiBi added); ``q_idx`` / ``kv_idx`` are the positions
+  of its rows and columns within the sequence, broadcastable against it (the backward's dK/dV
+  kernel passes keys-by-queries tiles, so use them elementwise); ``aux`` the tuple of aux tensors.
+- ``score_mod_bwd(grad, score, batch, head, q_idx, kv_idx, aux) -> grad``: the gradient with respect
+  to the mod's input ``score``, given ``grad``, the one with respect to its output.
+- ``mask_mod(batch, head, q_idx, kv_idx, aux) -> keep``: True where the query sees the key; applied
+  with causal / window_size (both must keep a key).
+
+Positions past a sequence's end are clamped to its last position (their results are discarded), so
+a mod may index its aux tensors with them. The built-ins below return ScoreMod / MaskMod objects
+that carry their functions and tensors.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import checks
+from .block_mask import BlockMask, create_block_mask
+from .kernels.portable import mods as builtin
+from .options import MaskMod, Mods, ScoreMod
+from .triton_compat import is_jit_function
+
+__all__ = ["ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "alibi", "softcap", "relative_bias",
+           "document_mask", "sliding_window", "native_options", "resolve_mods"]
+
+
+def _float32(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor, got "
+                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return t.detach().to(torch.float32).contiguous()
+
+
+def alibi(slopes: torch.Tensor) -> ScoreMod:
+    """ALiBi as a score mod: adds ``-slopes[head] * |q_idx - kv_idx|`` (raw positions: the same as
+    ``alibi_slopes=`` when seqlen_q == seqlen_k). slopes: (nheads,)."""
+    slopes = _float32(slopes, "slopes")
+    if slopes.dim() != 1:
+        raise ValueError(f"slopes must have shape (nheads,), got {tuple(slopes.shape)}")
+    return ScoreMod(builtin.alibi_score, builtin.additive_bwd, (slopes,), native={"alibi_slopes": slopes},
+                    native_needs_aligned=True)
+
+
+def softcap(cap: float, device=None) -> ScoreMod:
+    """Softcapping as a score mod: ``cap * tanh(score / cap)``, on ``device`` (default: the current
+    CUDA device, else the CPU)."""
+    if not isinstance(cap, (int, float)) or not cap > 0:
+        raise ValueError(f"cap must be a number > 0, got {cap!r}")
+    return ScoreMod(builtin.softcap_score, builtin.softcap_bwd,
+                    (torch.tensor([float(cap)], dtype=torch.float32, device=_device(device)),),
+                    native={"softcap": float(cap)})
+
+
+def relative_bias(table: torch.Tensor) -> ScoreMod:
+    """A clipped relative-position bias (Shaw et al.; T5 without buckets): adds
+    ``table[head, clamp(kv_idx - q_idx, -D, D) + D]`` for a table of shape (nheads, 2 * D + 1). The
+    table is read as a constant (no gradient flows into it)."""
+    table = _float32(table, "table")
+    if table.dim() != 2 or table.shape[1] % 2 != 1:
+        raise ValueError(f"table must have shape (nheads, 2 * max_distance + 1), got {tuple(table.shape)}")
+    max_distance = torch.tensor([table.shape[1] // 2], dtype=torch.int32, device=table.device)
+    return ScoreMod(builtin.relative_bias_score, builtin.additive_bwd, (table, max_distance))
+
+
+def document_mask(document_ids: torch.Tensor) -> MaskMod:
+    """A mask of packed documents in one sequence: a query sees the keys of its own document.
+    document_ids: an integer (seqlen,) tensor, the document of each position (queries and keys
+    alike: self-attention)."""
+    if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 1 or document_ids.is_floating_point():
+        raise ValueError("document_ids must be an integer (seqlen,) tensor")
+    return MaskMod(builtin.document_mask, (document_ids.to(torch.int32).contiguous(),))
+
+
+def sliding_window(left: int, right: int = 0, device=None) -> MaskMod:
+    """A sliding window as a mask mod: a query at q sees the keys q - left .. q + right (raw positions;
+    ``right=0`` is causal), on ``device`` (default: the current CUDA device, else the CPU)."""
+    for name, value in (("left", left), ("right", right)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    window = torch.tensor([left, right], dtype=torch.int32, device=_device(device))
+    return MaskMod(builtin.sliding_window_mask, (window,))
+
+
+def _device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def native_options(score_mod, only_score_mod: bool, softcap, alibi_slopes, aligned: bool) -> Optional[dict]:
+    """The flash_attn option that computes ``score_mod`` when it is a built-in with one (softcap, and
+    ALiBi where queries and keys line up: ``aligned``, every sequence's seqlen_q == seqlen_k, raw
+    positions then being flash_attn's bottom-right ones), the call sets no other mod (``only_score_mod``)
+    and does not set that option itself; else None. Such calls run as if the option were given: on
+    the Hopper kernels where those serve it."""
+    if not isinstance(score_mod, ScoreMod) or score_mod.native is None or not only_score_mod:
+        return None
+    if score_mod.native_needs_aligned and not aligned:
+        return None
+    if softcap or alibi_slopes is not None:
+        return None
+    return score_mod.native
+
+
+def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch: int, nheads: int,
+                 seqlen_q: int, seqlen_k: int, device: torch.device) -> Optional[Mods]:
+    """Check a call's mod arguments and resolve them into one options.Mods (None: none given).
+    A raw function reads ``aux_tensors``; a ScoreMod / MaskMod reads its own; a block mask brings
+    its mask_mod (and its aux tensors, when the call gives none)."""
+    if score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None and block_mask is None:
+        return None
+    aux = ()
+    if aux_tensors is not None:
+        checks.check_aux_tensors(aux_tensors, device)
+        aux = tuple(aux_tensors)
+    score_aux = aux
+    if isinstance(score_mod, ScoreMod):
+        if score_mod_bwd is not None:
+            raise ValueError("score_mod_bwd: a flashtile.mods.ScoreMod carries its own backward; pass a plain "
+                             "function as score_mod to give one")
+        score_mod, score_mod_bwd, score_aux = score_mod.fn, score_mod.bwd, score_mod.aux_tensors
+        checks.check_aux_tensors(score_aux, device, "score_mod's aux_tensors")
+    for name, fn in (("score_mod", score_mod), ("score_mod_bwd", score_mod_bwd)):
+        if fn is not None and not is_jit_function(fn):
+            raise TypeError(f"{name} must be a @triton.jit function or None, got {type(fn).__name__}")
+    if score_mod_bwd is not None and score_mod is None:
+        raise ValueError("score_mod_bwd was given without score_mod")
+    mask_aux = aux
+    if isinstance(mask_mod, MaskMod):
+        mask_mod, mask_aux = mask_mod.fn, mask_mod.aux_tensors
+        checks.check_aux_tensors(mask_aux, device, "mask_mod's aux_tensors")
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a flashtile.BlockMask (from flashtile.create_block_mask), got "
+                            f"{type(block_mask).__name__}")
+        block_mask.check_call(batch, nheads, seqlen_q, seqlen_k, device)
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+            mask_aux = aux if aux_tensors is not None else block_mask.aux_tensors
+        elif mask_mod is not block_mask.mask_mod:
+            raise ValueError("mask_mod differs from the mask_mod block_mask was built with; pass block_mask alone "
+                             "(it brings its mask_mod), or the same function")
+    if mask_mod is not None and not is_jit_function(mask_mod):
+        raise TypeError(f"mask_mod must be a @triton.jit function or None, got {type(mask_mod).__name__}")
+    if score_mod is None and mask_mod is None:
+        raise ValueError("aux_tensors were given without a score_mod or mask_mod to read them")
+    return Mods(score_mod, score_mod_bwd, mask_mod, score_aux, mask_aux, block_mask)
