@@ -54,6 +54,16 @@ def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, requi
     return q, k, v
 
 
+def make_packed_qkv(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, requires_grad=True):
+    """q (total_q, h, d), k and v (total_k, hk, d) of a packed batch of these sequence lengths, and
+    their int32 cu_seqlens_q, cu_seqlens_k."""
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for lengths in (lengths_q, lengths_k))
+    q = randn(sum(lengths_q), nheads, head_dim, dtype=dtype, requires_grad=requires_grad)
+    k, v = (randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype, requires_grad=requires_grad) for _ in range(2))
+    return q, k, v, cu_q, cu_k
+
+
 def check_against_reference(fn, q, k, v, *, backward=True, reference=attention_naive, **options):
     """Run ``fn(q, k, v, return_attn_probs=True, **options)`` and check out, lse and
     (if ``backward``) dq, dk, dv against float64, with PyTorch's same-dtype error as the yardstick

@@ -12,7 +12,7 @@ from flashtile.reference import attention_naive, attention_varlen_naive
 
 from flashtile.testing import call_errors, check_errors, check_lse
 
-from _cases import DEVICE, DTYPES, ON_GPU, make_qkv, randn
+from _cases import DEVICE, DTYPES, ON_GPU, make_packed_qkv, make_qkv, randn
 
 # (seqlen_q, seqlen_k); causal at seqlen_q > seqlen_k leaves the first rows without keys.
 SHAPES = [(113, 203), (128, 128), (1, 37), (150, 37)] if not ON_GPU else [(1023, 1023), (113, 1500), (1, 4096),
@@ -67,11 +67,7 @@ def test_rows_without_keys_get_the_sink():
 @pytest.mark.parametrize("seqused", [False, True])
 def test_varlen(seqused):
     dtype = DTYPES[0]
-    lengths_q, lengths_k = [30, 1, 47, 0], [40, 9, 60, 5]
-    cu_q = torch.tensor([0, 30, 31, 78, 78], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, 40, 49, 109, 114], dtype=torch.int32, device=DEVICE)
-    q = randn(sum(lengths_q), 4, 64, dtype=dtype, requires_grad=True)
-    k, v = (randn(sum(lengths_k), 2, 64, dtype=dtype, requires_grad=True) for _ in range(2))
+    q, k, v, cu_q, cu_k = make_packed_qkv([30, 1, 47, 0], [40, 9, 60, 5], 4, 2, 64, dtype)
     used = {}
     if seqused:
         used = {"seqused_q": torch.tensor([20, 1, 40, 0], dtype=torch.int32, device=DEVICE),
