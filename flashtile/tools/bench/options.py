@@ -9,7 +9,13 @@ option set of --sets:
   softcap-causal / -full     softcap --softcap (Gemma 2);
   alibi-causal / -full       ALiBi slopes of shape (nheads,) (BLOOM, MPT);
   window-softcap             causal, window (--window, -1) and softcap together;
-  sink-causal / -full        a learnable sink per head (gpt-oss), its gradient too (FlexAttention has none).
+  sink-causal / -full        a learnable sink per head (gpt-oss), its gradient too (FlexAttention has none);
+  mod-alibi-causal           causal, ALiBi as a score_mod (flashtile.mods.alibi; Flex: the same mod);
+  mod-relbias-causal         causal, a relative-position bias table as a score_mod (flashtile.mods.relative_bias,
+                             128 distances each way);
+  mask-window                the causal sliding window (--window) as a mask_mod with a block mask;
+  mask-document              causal attention within packed documents (lengths 1/2, 1/4, 1/8, ... of a
+                             sequence) as a mask_mod with a block mask.
 TFLOP/s count the (query, key) pairs the options leave visible: 4 * b * h * d per pair, 3.5x that for
 forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain TFLOP/s of the same mask
 class (causal-shaped sets against plain-causal, the others against plain-full), all in the same run;
@@ -31,7 +37,8 @@ from .report import Table, geomean, grouped_bars, render_text, save_plot, skippe
 PROG = "python -m flashtile bench options"
 MODES = ("fwd", "fwd_bwd")
 SETS = ("plain-causal", "plain-full", "window-causal", "window-both", "softcap-causal", "softcap-full",
-        "alibi-causal", "alibi-full", "window-softcap", "sink-causal", "sink-full")
+        "alibi-causal", "alibi-full", "window-softcap", "sink-causal", "sink-full", "mod-alibi-causal",
+        "mod-relbias-causal", "mask-window", "mask-document")
 ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
@@ -54,20 +61,38 @@ def option_set(name: str, window: int, softcap: float) -> dict:
         "window-softcap": dict(causal=True, window_size=(window, -1), softcap=softcap),
         "sink-causal": dict(causal=True, sink=True),
         "sink-full": dict(sink=True),
+        "mod-alibi-causal": dict(causal=True, alibi=True, mod="alibi"),
+        "mod-relbias-causal": dict(causal=True, mod="relbias"),
+        "mask-window": dict(mask="window", mask_window=window),
+        "mask-document": dict(mask="document"),
     }
-    return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, sink=False), **sets[name]}
+    return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, sink=False, mod=None, mask=None),
+            **sets[name]}
+
+
+def document_lengths(seqlen: int) -> list:
+    """mask-document's documents: halves of what is left (1/2, 1/4, ...), the last one what remains."""
+    lengths, left = [], seqlen
+    while left > 64:
+        lengths.append(left // 2)
+        left -= left // 2
+    return lengths + [left]
 
 
 def causal_shaped(options: dict) -> bool:
     """Whether a set's band ends at the diagonal (its yardstick is plain causal attention)."""
-    return options["causal"] or options["window_size"][1] == 0
+    return options["causal"] or options["window_size"][1] == 0 or options["mask"] is not None
 
 
 def visible_pairs(seqlen: int, options: dict) -> int:
     """(query, key) pairs the causal mask and window leave (square, so the diagonal is i = j)."""
+    if options["mask"] == "document":
+        return sum(n * (n + 1) // 2 for n in document_lengths(seqlen))
     left, right = options["window_size"]
     if options["causal"]:
         right = 0
+    if options["mask"] == "window":
+        left, right = options["mask_window"], 0
     total = 0
     for i in range(seqlen):
         lo = 0 if left < 0 else max(0, i - left)
@@ -94,17 +119,57 @@ class Problem:
         # Sink logits near the rows' logsumexp (a few units), so each takes a fair share of its rows.
         self.sink = (torch.linspace(1.0, 6.0, nheads, device=device).requires_grad_()
                      if options["sink"] else None)
+        # mod-relbias: a bias per head and distance, clipped at 128 each way.
+        self.bias_table = (torch.randn(nheads, 257, device=device, generator=generator)
+                           if options["mod"] == "relbias" else None)
+        self.documents = None
+        if options["mask"] == "document":
+            lengths = document_lengths(seqlen)
+            self.documents = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                                     torch.tensor(lengths, device=device)).int()
+
+    def score_twin(self):
+        """The set's score mod in PyTorch ((b, h, sq, sk) scores, broadcastable indices), or None."""
+        if self.options["mod"] == "alibi":
+            return lambda s, b, h, i, j: s - self.slopes.to(s.dtype)[h] * (i - j).abs()
+        if self.options["mod"] == "relbias":
+            return lambda s, b, h, i, j: s + self.bias_table.to(s.dtype)[h, (j - i).clamp(-128, 128) + 128]
+        return None
+
+    def mask_twin(self):
+        """The set's mask mod in PyTorch, or None."""
+        if self.options["mask"] == "window":
+            window = self.options["mask_window"]
+            return lambda b, h, i, j: (i - j <= window) & (j <= i)
+        if self.options["mask"] == "document":
+            return lambda b, h, i, j: (self.documents[i] == self.documents[j]) & (j <= i)
+        return None
 
     def flash_kwargs(self) -> dict:
         o = self.options
         return dict(causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
-                    alibi_slopes=self.slopes, learnable_sink=self.sink)
+                    alibi_slopes=None if o["mod"] else self.slopes, learnable_sink=self.sink)
 
 
 def flashtile_system(p: Problem):
-    from flashtile import flash_attn_func
+    """flash_attn_func with the set's options; its mods as flashtile.mods' built-ins, a mask with its
+    block mask (built here, once, as a model would per shape)."""
+    import flashtile
+    from flashtile import flash_attn_func, mods
 
     kwargs = p.flash_kwargs()
+    if p.options["mod"] == "alibi":
+        kwargs["score_mod"] = mods.alibi(p.slopes)
+    elif p.options["mod"] == "relbias":
+        kwargs["score_mod"] = mods.relative_bias(p.bias_table)
+    if p.options["mask"] is not None:
+        seqlen = p.q.shape[1]
+        if p.options["mask"] == "window":
+            mask = mods.sliding_window(p.options["mask_window"], 0, device=p.q.device)
+        else:
+            mask = mods.document_mask(p.documents)
+            kwargs["causal"] = True
+        kwargs["block_mask"] = flashtile.create_block_mask(mask, None, None, seqlen, seqlen, device=p.q.device)
     return lambda q, k, v: flash_attn_func(q, k, v, **kwargs)
 
 
@@ -121,9 +186,17 @@ def flex_system(p: Problem):
     left, right = o["window_size"]
     if o["causal"]:
         right = 0
+    if o["mask"] is not None:
+        left, right = (o["mask_window"] if o["mask"] == "window" else -1), 0
     seqlen = p.q.shape[1]
     block_mask = None
-    if left >= 0 or right >= 0:
+    documents = p.documents
+    if documents is not None:
+        def document(batch, head, q_idx, kv_idx):
+            return (documents[q_idx] == documents[kv_idx]) & (kv_idx <= q_idx)
+
+        block_mask = create_block_mask(document, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=str(p.q.device))
+    elif left >= 0 or right >= 0:
         def band(batch, head, q_idx, kv_idx):
             keep = kv_idx >= 0
             if right >= 0:
@@ -133,18 +206,20 @@ def flex_system(p: Problem):
             return keep
 
         block_mask = create_block_mask(band, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=str(p.q.device))
-    cap = o["softcap"]
+    cap, table = o["softcap"], p.bias_table
 
     def score_mod(score, batch, head, q_idx, kv_idx):
         if cap > 0:
             score = cap * torch.tanh(score / cap)
         if slopes is not None:
             score = score - slopes[head] * (q_idx - kv_idx).abs()
+        if table is not None:
+            score = score + table[head, (kv_idx - q_idx).clamp(-128, 128) + 128]
         return score
 
     flex = compiled_flex_attention()
     kwargs = {"enable_gqa": True} if p.nheads_k != p.nheads else {}
-    if cap > 0 or slopes is not None:
+    if cap > 0 or slopes is not None or table is not None:
         kwargs["score_mod"] = score_mod
 
     def attn(q, k, v):
@@ -171,10 +246,14 @@ def reference(p: Problem, with_grads: bool) -> dict:
                    for t, hs in ((p.q, heads), (p.k, slice(kv_head, kv_head + 1)), (p.v, slice(kv_head, kv_head + 1))))
         o = p.options
         with torch.enable_grad():
+            score_twin, mask_twin = p.score_twin(), p.mask_twin()
+            if score_twin is not None:  # the twins see this group's heads as heads 0 .. group - 1
+                score_twin = functools.partial(lambda twin, s, b, h, i, j: twin(s, b, h + heads.start, i, j),
+                                               score_twin)
             out, _ = attention_naive(q, k, v, causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
-                                     alibi_slopes=None if p.slopes is None else p.slopes[heads],
+                                     alibi_slopes=None if p.slopes is None or o["mod"] else p.slopes[heads],
                                      learnable_sink=None if p.sink is None else p.sink[heads].detach(),
-                                     dtype=torch.float32)
+                                     dtype=torch.float32, score_mod=score_twin, mask_mod=mask_twin)
             grads = torch.autograd.grad(out, (q, k, v), p.dout[:1, :, heads].float()) if with_grads else ()
         pieces["out"].append(out.detach())
         for name, grad in zip(("dq", "dk", "dv"), grads):
