@@ -14,7 +14,8 @@ import torch
 from . import autotune, checks, runtime
 from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config
 from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision
-from .mods import native_options, resolve_mods
+from .mods import call_mods
+from .mods import given as mods_given
 from .options import PackedSeqs, grid_lengths, packed_seqs, resolve_options
 from .runtime import arch_of, interpreter_enabled
 from .varlen import _check_layout
@@ -104,18 +105,12 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
                          device=q.device, deterministic=deterministic)
     deterministic = bool(deterministic)  # checked there, as the call checks it (bools, numpy bools, 0 / 1)
     mods = None
-    if not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
-            and block_mask is None):
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):  # as the calls resolve them
         aligned = (cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None and block_table is None
                    if packed else q.shape[1] == k.shape[1])
-        native = native_options(score_mod, score_mod_bwd is None and mask_mod is None and aux_tensors is None
-                                and block_mask is None, softcap, alibi_slopes, aligned)
-        if native is not None:  # as the calls do: a built-in mod that is one of the options
-            softcap, alibi_slopes = native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
-        else:
-            lengths = (max_seqlen_q, max_seqlen_k) if packed else (q.shape[1], k.shape[1])
-            mods = resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch, q.shape[-2],
-                                *lengths, q.device)
+        lengths = (int(max_seqlen_q), int(max_seqlen_k)) if packed else (q.shape[1], k.shape[1])
+        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
+                                                alibi_slopes, batch, q.shape[-2], *lengths, aligned, q.device)
     params = resolve_options(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=batch)
     params = dataclasses.replace(params, dropout_p=float(dropout_p), mods=mods)
 

@@ -14,7 +14,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import call_plans, checks, ops, sinks
-from .mods import native_options, resolve_mods
+from .mods import call_mods
+from .mods import given as mods_given
 from .options import Mods, resolve_options
 
 # Calls with score / mask mods run eagerly: the custom ops' schemas cannot carry functions, so under
@@ -97,14 +98,7 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
     """
-    programmable = not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
-                        and block_mask is None)
-    if programmable:
-        native = native_options(score_mod, score_mod_bwd is None and mask_mod is None and aux_tensors is None
-                                and block_mask is None, softcap, alibi_slopes, q.shape[1] == k.shape[1])
-        if native is not None:  # a built-in mod that is one of the options: the options' kernels
-            softcap, alibi_slopes = native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
-            score_mod, programmable = None, False
+    programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask)
     key = None if learnable_sink is not None or programmable else call_plans.dense_key(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if key is not None and call_plans.replay_possible():
@@ -117,8 +111,9 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     checks.check_qkv_shapes(q, k, v)
     mods = None
     if programmable:
-        mods = resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, q.shape[0], q.shape[2],
-                            q.shape[1], k.shape[1], q.device)
+        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
+                                                alibi_slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                                                q.shape[1] == k.shape[1], q.device)
     return _dense(q, k, v, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                   return_attn_probs, key, learnable_sink, mods)
 
@@ -126,10 +121,13 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                              deterministic: bool = False, return_attn_probs: bool = False):
+                              deterministic: bool = False, return_attn_probs: bool = False,
+                              learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None, score_mod_bwd=None,
+                              mask_mod=None, aux_tensors=None, block_mask=None):
     """:func:`flash_attn_func` with q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim).
 
-    The backward writes one dqkv of qkv's shape; no q/k/v copies are made.
+    The backward writes one dqkv of qkv's shape; no q/k/v copies are made. learnable_sink and the
+    mod arguments as in flash_attn_func.
     """
     checks.check_tensor(qkv, "qkv", 5)
     checks.check_same_dtype_and_device({"qkv": qkv})
@@ -137,20 +135,33 @@ def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Option
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=2)
     checks.check_qkv_shapes(q, k, v, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+    mods = None
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
+        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
+                                                alibi_slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1], True,
+                                                q.device)
     return _dense(qkv, None, None, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  deterministic, return_attn_probs)
+                  deterministic, return_attn_probs, learnable_sink=learnable_sink, mods=mods)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                             deterministic: bool = False, return_attn_probs: bool = False):
-    """:func:`flash_attn_func` with k, v packed as kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+                             deterministic: bool = False, return_attn_probs: bool = False,
+                             learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None, score_mod_bwd=None,
+                             mask_mod=None, aux_tensors=None, block_mask=None):
+    """:func:`flash_attn_func` with k, v packed as kv (batch, seqlen_k, 2, nheads_k, headdim);
+    learnable_sink and the mod arguments as in flash_attn_func."""
     checks.check_tensor(q, "q", 4)
     checks.check_tensor(kv, "kv", 5)
     checks.check_same_dtype_and_device({"q": q, "kv": kv})
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     checks.check_qkv_shapes(q, *kv.unbind(dim=2), names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+    mods = None
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
+        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
+                                                alibi_slopes, q.shape[0], q.shape[2], q.shape[1], kv.shape[1],
+                                                q.shape[1] == kv.shape[1], q.device)
     return _dense(q, kv, None, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  deterministic, return_attn_probs)
+                  deterministic, return_attn_probs, learnable_sink=learnable_sink, mods=mods)

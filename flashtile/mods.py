@@ -29,7 +29,7 @@ from .options import MaskMod, Mods, ScoreMod
 from .triton_compat import is_jit_function
 
 __all__ = ["ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "alibi", "softcap", "relative_bias",
-           "document_mask", "sliding_window", "native_options", "resolve_mods"]
+           "document_mask", "sliding_window", "native_options", "given", "call_mods", "resolve_mods"]
 
 
 def _float32(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -108,6 +108,24 @@ def native_options(score_mod, only_score_mod: bool, softcap, alibi_slopes, align
     if softcap or alibi_slopes is not None:
         return None
     return score_mod.native
+
+
+def given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask) -> bool:
+    """Whether a call sets any mod argument."""
+    return not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
+                and block_mask is None)
+
+
+def call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, batch: int,
+              nheads: int, seqlen_q: int, seqlen_k: int, aligned: bool, device: torch.device) -> tuple:
+    """(mods, softcap, alibi_slopes) of a call that sets mod arguments: a built-in score mod that is one
+    of the options becomes that option (native_options; mods None), else resolve_mods' Mods."""
+    only_score_mod = score_mod_bwd is None and mask_mod is None and aux_tensors is None and block_mask is None
+    native = native_options(score_mod, only_score_mod, softcap, alibi_slopes, aligned)
+    if native is not None:
+        return None, native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
+    return (resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch, nheads, seqlen_q,
+                         seqlen_k, device), softcap, alibi_slopes)
 
 
 def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch: int, nheads: int,

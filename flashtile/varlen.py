@@ -11,7 +11,8 @@ import torch
 
 from . import call_plans, checks, ops, sinks
 from .interface import _probs
-from .mods import native_options, resolve_mods
+from .mods import call_mods
+from .mods import given as mods_given
 from .options import Mods, resolve_options
 
 # As interface.py's: calls with mods run eagerly (a graph break under torch.compile).
@@ -79,6 +80,13 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return out, lse, _probs(q, k, v, lse, *layout, tensors, floats, ints, mods)
 
 
+def _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned: bool, *mod_args_and_options) -> tuple:
+    """mods.call_mods for a packed batch: its sequences as the batch, the maxima as the lengths."""
+    *mod_args, softcap, alibi_slopes = mod_args_and_options
+    return call_mods(*mod_args, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], int(max_seqlen_q),
+                     int(max_seqlen_k), aligned, q.device)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -118,16 +126,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
-    programmable = not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
-                        and block_mask is None)
-    if programmable:  # as flash_attn_func's; queries line up with keys when they share cu_seqlens
-        native = native_options(score_mod, score_mod_bwd is None and mask_mod is None and aux_tensors is None
-                                and block_mask is None, softcap, alibi_slopes,
-                                cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None
-                                and block_table is None)
-        if native is not None:
-            softcap, alibi_slopes = native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
-            score_mod, programmable = None, False
+    programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask)
     key = None if learnable_sink is not None or programmable else call_plans.varlen_key(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k)
@@ -138,9 +137,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         call.call_params(alibi_slopes))
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
     mods = None
-    if programmable:
-        mods = resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, cu_seqlens_q.shape[0] - 1,
-                            q.shape[1], int(max_seqlen_q), int(max_seqlen_k), q.device)
+    if programmable:  # queries line up with keys when both sides share one cu_seqlens and use every token
+        aligned = cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None and block_table is None
+        mods, softcap, alibi_slopes = _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned, score_mod,
+                                                 score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
+                                                 alibi_slopes)
     return _varlen(q, k, v, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, key, learnable_sink, mods)
@@ -150,9 +151,12 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: flo
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                                     return_attn_probs: bool = False):
+                                     return_attn_probs: bool = False, learnable_sink: Optional[torch.Tensor] = None,
+                                     *, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
+                                     block_mask=None):
     """:func:`flash_attn_varlen_func` with q, k, v packed as qkv (total, 3, nheads, headdim) and
-    one cu_seqlens / max_seqlen for queries and keys. The backward writes one dqkv."""
+    one cu_seqlens / max_seqlen for queries and keys. The backward writes one dqkv. learnable_sink
+    and the mod arguments as in flash_attn_varlen_func."""
     checks.check_tensor(qkv, "qkv", 4)
     checks.check_same_dtype_and_device({"qkv": qkv})
     if qkv.shape[1] != 3:
@@ -160,16 +164,24 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: flo
     q, k, v = qkv.unbind(dim=1)
     checks.check_qkv_shapes(q, k, v, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
     _check_layout(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None)
+    mods = None
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
+        mods, softcap, alibi_slopes = _call_mods(q, cu_seqlens, max_seqlen, max_seqlen, True, score_mod, score_mod_bwd,
+                                                 mask_mod, aux_tensors, block_mask, softcap, alibi_slopes)
     return _varlen(qkv, None, None, q, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None, None, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                   learnable_sink=learnable_sink, mods=mods)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                                     softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                                    deterministic: bool = False, return_attn_probs: bool = False):
-    """:func:`flash_attn_varlen_func` with k, v packed as kv (total_k, 2, nheads_k, headdim)."""
+                                    deterministic: bool = False, return_attn_probs: bool = False,
+                                    learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None,
+                                    score_mod_bwd=None, mask_mod=None, aux_tensors=None, block_mask=None):
+    """:func:`flash_attn_varlen_func` with k, v packed as kv (total_k, 2, nheads_k, headdim);
+    learnable_sink and the mod arguments as in flash_attn_varlen_func."""
     checks.check_tensor(q, "q", 3)
     checks.check_tensor(kv, "kv", 4)
     checks.check_same_dtype_and_device({"q": q, "kv": kv})
@@ -178,6 +190,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(dim=1)
     checks.check_qkv_shapes(q, k, v, names=("q", "kv[:, 0]", "kv[:, 1]"))
     _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None)
+    mods = None
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
+        mods, softcap, alibi_slopes = _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                                 cu_seqlens_q is cu_seqlens_k, score_mod, score_mod_bwd, mask_mod,
+                                                 aux_tensors, block_mask, softcap, alibi_slopes)
     return _varlen(q, kv, None, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None, None,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs)
+                   return_attn_probs, learnable_sink=learnable_sink, mods=mods)

@@ -308,3 +308,32 @@ def test_explain_names_the_mods():
     explanation = flashtile.explain(q, k, v, causal=True, score_mod=flashtile.mods.softcap(5.0, device=DEVICE),
                                     device_capability=(9, 0))
     assert "softcap" in explanation.forward.reason
+
+
+@pytest.mark.parametrize("variant", ["qkv", "kv", "varlen_qkv", "varlen_kv"])
+def test_packed_variants_take_sinks_and_mods(variant):
+    """The packed entry points give what flash_attn_func gives on the unpacked tensors, gradients
+    (the sink's too) included."""
+    batch, seqlen, nheads, head_dim = 2, 50, 2, 32
+    qkv = randn(batch, seqlen, 3, nheads, head_dim, dtype=DTYPES[0], requires_grad=True)
+    sink = (torch.randn(nheads, device=DEVICE) + 2).requires_grad_()
+    options = dict(causal=True, learnable_sink=sink, mask_mod=every_third_off)
+    cu_seqlens = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32, device=DEVICE)
+    if variant == "qkv":
+        out = flashtile.flash_attn_qkvpacked_func(qkv, **options)
+    elif variant == "kv":
+        out = flashtile.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], **options)
+    elif variant == "varlen_qkv":
+        out = flashtile.flash_attn_varlen_qkvpacked_func(qkv.flatten(0, 1), cu_seqlens, seqlen, **options)
+    else:
+        flat = qkv.flatten(0, 1)
+        out = flashtile.flash_attn_varlen_kvpacked_func(flat[:, 0], flat[:, 1:], cu_seqlens, cu_seqlens, seqlen, seqlen,
+                                                        **options)
+    out = out.reshape(batch, seqlen, nheads, head_dim)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qkv, sink), dout)
+    expected = flashtile.flash_attn_func(*qkv.unbind(2), **options)
+    expected_grads = torch.autograd.grad(expected, (qkv, sink), dout)
+    torch.testing.assert_close(out, expected)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad)
