@@ -40,7 +40,7 @@ from flashtile.mods import MaskMod  # noqa: E402
 from flashtile.reference import attention_naive  # noqa: E402
 
 CONFIGS = {
-    "gpu": dict(vocab=512, d_model=256, heads=4, layers=2, seqlen=1024, batch=8, steps=300, lr=2e-3),
+    "gpu": dict(vocab=512, d_model=256, heads=4, layers=2, seqlen=1024, batch=8, steps=2500, lr=2e-3),
     "smoke": dict(vocab=64, d_model=64, heads=2, layers=1, seqlen=64, batch=2, steps=2, lr=2e-3),
 }
 
@@ -126,9 +126,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny configuration, two steps (CPU ok)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: 2500; smoke: 2)")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     cfg = dict(CONFIGS["smoke" if args.smoke else "gpu"])
+    if args.steps is not None:
+        cfg["steps"] = args.steps
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -152,7 +155,7 @@ def main(argv=None):
         opt.step()
         log["loss"].append(loss.item())
         log["sink_mean"].append([attn.sink.mean().item() for attn in model.attn])
-        if step % 50 == 0 or step == cfg["steps"] - 1:
+        if step % 250 == 0 or step == cfg["steps"] - 1:
             print(f"step {step:4d}  loss {loss.item():.3f}  sinks {log['sink_mean'][-1]}", flush=True)
     return _write(args, cfg, device, log, first_check)
 
