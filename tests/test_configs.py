@@ -41,11 +41,13 @@ if ON_SM90:
 @pytest.mark.parametrize("causal", [False, True])
 def test_config_computes_the_same_function(kernel, config, causal):
     head_dim = 128 if ON_GPU else 32
-    seqlen_q, seqlen_k = (700, 1000) if ON_GPU else (70, 100)
+    # On the CPU, lengths that still give every config several tiles each way, a partial last one and a
+    # window edge inside the band.
+    seqlen_q, seqlen_k = (700, 1000) if ON_GPU else (45, 71)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, DTYPES[0])
     with override(**{kernel: config}):
         try:
-            check_against_reference(flash_attn_func, q, k, v, causal=causal, window_size=(300 if ON_GPU else 30, -1),
+            check_against_reference(flash_attn_func, q, k, v, causal=causal, window_size=(300 if ON_GPU else 20, -1),
                                     dropout_p=0.1)
         except Exception as exc:
             if "OutOfResources" in type(exc).__name__:
