@@ -40,7 +40,10 @@ def add_sink(out: Tensor, lse: Tensor, sink: Tensor) -> Tuple[Tensor, Tensor]:
     with_sink = torch.logaddexp(lse, sink.float().unsqueeze(-1))
     # A row with no key and a sink of -inf: both -inf; the clamp makes its scale 0, not NaN.
     scale = torch.exp(lse - with_sink.clamp(min=torch.finfo(torch.float32).min))
-    # In place (out is the op's fresh output): one pass, products in float32, rounded once.
+    # In place (out is the op's fresh output): one pass, products in float32, rounded once. Not while
+    # torch.compile traces: inductor's backward then saw the op's out from before the rescale.
+    if torch.compiler.is_compiling():
+        return (out * _rows(scale).unsqueeze(-1)).to(out.dtype), with_sink
     return out.mul_(_rows(scale).unsqueeze(-1)), with_sink
 
 
