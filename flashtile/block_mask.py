@@ -53,6 +53,7 @@ class BlockMask:
     key_lists: tuple
     # Dense calls' lists by band (window_left, window_right): classes_in_band's, made once per band.
     by_band: dict = field(default_factory=dict, repr=False)
+    native: Optional[dict] = None  # the MaskMod's it was built from (options.MaskMod)
 
     def sparsity(self) -> float:
         """The fraction of blocks the kernels skip (empty ones)."""
@@ -123,10 +124,11 @@ def create_block_mask(mask_mod, batch: Optional[int], nheads: Optional[int], seq
     aux_tensors: the tensors the mask reads (a MaskMod brings its own). device: where the mask lives
     (default: the aux tensors' device, else the current CUDA device, else the CPU). block_size: an
     int or (query rows, keys), powers of two from 16 to 128 (the kernels' tiles divide them)."""
+    native = None
     if isinstance(mask_mod, MaskMod):
         if aux_tensors is not None:
             raise ValueError("aux_tensors: a flashtile.mods.MaskMod carries its own aux tensors; pass one or the other")
-        mask_mod, aux_tensors = mask_mod.fn, mask_mod.aux_tensors
+        mask_mod, aux_tensors, native = mask_mod.fn, mask_mod.aux_tensors, mask_mod.native
     if not is_jit_function(mask_mod):
         raise TypeError(f"mask_mod must be a @triton.jit function (batch, head, q_idx, kv_idx, aux) -> keep, or a "
                         f"flashtile.mods.MaskMod, got {type(mask_mod).__name__}")
@@ -149,4 +151,4 @@ def create_block_mask(mask_mod, batch: Optional[int], nheads: Optional[int], seq
     classes = block_mask_classes(mask_mod, aux, batch or 1, nheads or 1, seqlen_q, seqlen_k, block_q, block_k,
                                  device)
     return BlockMask(mask_mod, aux, batch, nheads, seqlen_q, seqlen_k, (block_q, block_k), classes,
-                     _block_lists(classes), _block_lists(classes.transpose(-1, -2)))
+                     _block_lists(classes), _block_lists(classes.transpose(-1, -2)), native=native)

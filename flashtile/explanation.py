@@ -74,7 +74,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
             seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
             block_table: Optional[torch.Tensor] = None,
             device_capability: Optional[Tuple[int, int]] = None, score_mod=None, score_mod_bwd=None,
-            mask_mod=None, aux_tensors=None, block_mask=None) -> Explanation:
+            mask_mod=None, aux_tensors=None, block_mask=None, attn_bias=None) -> Explanation:
     """Which kernels ``flash_attn_func`` (dense q, k, v of (b, s, h, d)) or ``flash_attn_varlen_func``
     (packed (total, h, d) with cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k, optionally
     seqused and a paged block_table) would run for these tensors and options, and why. Checks the
@@ -82,7 +82,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
 
     ``device_capability``: (major, minor) of a CUDA device to decide for in place of the tensors'
     own, e.g. (9, 0) to see what an H100 would run from CPU or meta tensors. The mod arguments
-    (score_mod, ..., block_mask) as the calls take them (docs/programmable.md).
+    (score_mod, ..., block_mask, attn_bias) as the calls take them (docs/programmable.md).
     """
     packed = cu_seqlens_q is not None
     if not packed and any(t is not None for t in (cu_seqlens_k, seqused_q, seqused_k, block_table)):
@@ -105,12 +105,14 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
                          device=q.device, deterministic=deterministic)
     deterministic = bool(deterministic)  # checked there, as the call checks it (bools, numpy bools, 0 / 1)
     mods = None
-    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):  # as the calls resolve them
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias):  # as the calls do
         aligned = (cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None and block_table is None
                    if packed else q.shape[1] == k.shape[1])
         lengths = (int(max_seqlen_q), int(max_seqlen_k)) if packed else (q.shape[1], k.shape[1])
-        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
-                                                alibi_slopes, batch, q.shape[-2], *lengths, aligned, q.device)
+        mods, softcap, alibi_slopes, causal, window_size = call_mods(
+            score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, batch, q.shape[-2],
+            *lengths, aligned, q.device, attn_bias=attn_bias, deterministic=deterministic, causal=causal,
+            window_size=window_size)
     params = resolve_options(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=batch)
     params = dataclasses.replace(params, dropout_p=float(dropout_p), mods=mods)
 

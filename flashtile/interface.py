@@ -21,7 +21,7 @@ from .options import Mods, resolve_options
 # Calls with score / mask mods run eagerly: the custom ops' schemas cannot carry functions, so under
 # torch.compile they are a graph break (an error with fullgraph=True), not a silent change.
 _dense_attention_eager = torch.compiler.disable(ops.dense_attention)
-_dense_attention_with_sink_eager = torch.compiler.disable(ops.dense_attention_with_sink)
+_dense_attention_with_extras_eager = torch.compiler.disable(ops.dense_attention_with_extras)
 
 
 def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -39,15 +39,17 @@ def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softc
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
+    attn_bias = None if mods is None or mods.attn_bias is None else mods.attn_bias.tensor
     if mods is not None:
-        if learnable_sink is None:
+        if learnable_sink is None and attn_bias is None:
             out, lse = _dense_attention_eager(q, k, v, *tensors, floats, ints, mods)
         else:
-            out, lse = _dense_attention_with_sink_eager(q, k, v, learnable_sink, *tensors, floats, ints, mods)
+            out, lse = _dense_attention_with_extras_eager(q, k, v, learnable_sink, attn_bias, *tensors, floats,
+                                                          ints, mods)
     elif learnable_sink is None:
         out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)
     else:
-        out, lse = ops.dense_attention_with_sink(q, k, v, learnable_sink, *tensors, floats, ints)
+        out, lse = ops.dense_attention_with_extras(q, k, v, learnable_sink, None, *tensors, floats, ints)
     if not return_attn_probs:
         return out
     return out, lse, _probs(q, k, v, lse, None, None, None, None, None, tensors, floats, ints, mods)
@@ -68,7 +70,8 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
                     return_attn_probs: bool = False, learnable_sink: Optional[torch.Tensor] = None, *,
-                    score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, block_mask=None):
+                    score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, block_mask=None,
+                    attn_bias=None):
     """Exact attention, ``softmax(q k^T * softmax_scale) v``, with O(seqlen) memory.
 
     Arguments:
@@ -95,10 +98,14 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
             (flashtile.mods: @triton.jit functions that change the scores and the mask, the tensors
             they read, a block mask from flashtile.create_block_mask). They run on the portable
             kernels, eagerly (a graph break under torch.compile). (flashtile's extension.)
+        attn_bias: optional floating-point tensor broadcastable to (batch, nheads, seqlen_q, seqlen_k),
+            added to the scores after softmax_scale, softcap and ALiBi; its gradient is returned (in
+            its shape, summed over the broadcast dimensions) when it requires grad. O(seqlen^2) memory;
+            not with score_mod. Portable kernels, eagerly, as the mods. (flashtile's extension.)
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
     """
-    programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask)
+    programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias)
     key = None if learnable_sink is not None or programmable else call_plans.dense_key(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if key is not None and call_plans.replay_possible():
@@ -111,9 +118,10 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     checks.check_qkv_shapes(q, k, v)
     mods = None
     if programmable:
-        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
-                                                alibi_slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
-                                                q.shape[1] == k.shape[1], q.device)
+        mods, softcap, alibi_slopes, causal, window_size = call_mods(
+            score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, q.shape[0], q.shape[2],
+            q.shape[1], k.shape[1], q.shape[1] == k.shape[1], q.device, attn_bias=attn_bias,
+            deterministic=deterministic, causal=causal, window_size=window_size)
     return _dense(q, k, v, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                   return_attn_probs, key, learnable_sink, mods)
 
@@ -123,7 +131,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Option
                               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                               deterministic: bool = False, return_attn_probs: bool = False,
                               learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None, score_mod_bwd=None,
-                              mask_mod=None, aux_tensors=None, block_mask=None):
+                              mask_mod=None, aux_tensors=None, block_mask=None, attn_bias=None):
     """:func:`flash_attn_func` with q, k, v packed as qkv (batch, seqlen, 3, nheads, headdim).
 
     The backward writes one dqkv of qkv's shape; no q/k/v copies are made. learnable_sink and the
@@ -136,10 +144,11 @@ def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Option
     q, k, v = qkv.unbind(dim=2)
     checks.check_qkv_shapes(q, k, v, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
     mods = None
-    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
-        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
-                                                alibi_slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1], True,
-                                                q.device)
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias):
+        mods, softcap, alibi_slopes, causal, window_size = call_mods(
+            score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, q.shape[0], q.shape[2],
+            q.shape[1], k.shape[1], True, q.device, attn_bias=attn_bias, deterministic=deterministic, causal=causal,
+            window_size=window_size)
     return _dense(qkv, None, None, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                   deterministic, return_attn_probs, learnable_sink=learnable_sink, mods=mods)
 
@@ -149,7 +158,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optio
                              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                              deterministic: bool = False, return_attn_probs: bool = False,
                              learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None, score_mod_bwd=None,
-                             mask_mod=None, aux_tensors=None, block_mask=None):
+                             mask_mod=None, aux_tensors=None, block_mask=None, attn_bias=None):
     """:func:`flash_attn_func` with k, v packed as kv (batch, seqlen_k, 2, nheads_k, headdim);
     learnable_sink and the mod arguments as in flash_attn_func."""
     checks.check_tensor(q, "q", 4)
@@ -159,9 +168,10 @@ def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optio
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     checks.check_qkv_shapes(q, *kv.unbind(dim=2), names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
     mods = None
-    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
-        mods, softcap, alibi_slopes = call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
-                                                alibi_slopes, q.shape[0], q.shape[2], q.shape[1], kv.shape[1],
-                                                q.shape[1] == kv.shape[1], q.device)
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias):
+        mods, softcap, alibi_slopes, causal, window_size = call_mods(
+            score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, q.shape[0], q.shape[2],
+            q.shape[1], kv.shape[1], q.shape[1] == kv.shape[1], q.device, attn_bias=attn_bias,
+            deterministic=deterministic, causal=causal, window_size=window_size)
     return _dense(q, kv, None, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                   deterministic, return_attn_probs, learnable_sink=learnable_sink, mods=mods)

@@ -25,11 +25,12 @@ import torch
 from . import checks
 from .block_mask import BlockMask, create_block_mask
 from .kernels.portable import mods as builtin
-from .options import MaskMod, Mods, ScoreMod
+from .options import AttnBias, MaskMod, Mods, ScoreMod
 from .triton_compat import is_jit_function
 
 __all__ = ["ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "alibi", "softcap", "relative_bias",
-           "document_mask", "sliding_window", "native_options", "given", "call_mods", "resolve_mods"]
+           "document_mask", "sliding_window", "native_options", "native_window", "given", "call_mods",
+           "resolve_mods", "resolve_attn_bias"]
 
 
 def _float32(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -81,12 +82,13 @@ def document_mask(document_ids: torch.Tensor) -> MaskMod:
 
 def sliding_window(left: int, right: int = 0, device=None) -> MaskMod:
     """A sliding window as a mask mod: a query at q sees the keys q - left .. q + right (raw positions;
-    ``right=0`` is causal), on ``device`` (default: the current CUDA device, else the CPU)."""
+    ``right=0`` is causal), on ``device`` (default: the current CUDA device, else the CPU). Alone (or
+    as the mask of a block mask), where queries and keys line up, it runs as ``window_size=``."""
     for name, value in (("left", left), ("right", right)):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     window = torch.tensor([left, right], dtype=torch.int32, device=_device(device))
-    return MaskMod(builtin.sliding_window_mask, (window,))
+    return MaskMod(builtin.sliding_window_mask, (window,), native={"window_size": (left, right)})
 
 
 def _device(device) -> torch.device:
@@ -110,31 +112,108 @@ def native_options(score_mod, only_score_mod: bool, softcap, alibi_slopes, align
     return score_mod.native
 
 
-def given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask) -> bool:
-    """Whether a call sets any mod argument."""
+def given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias=None) -> bool:
+    """Whether a call sets any mod argument (attn_bias runs as one)."""
     return not (score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None
-                and block_mask is None)
+                and block_mask is None and attn_bias is None)
+
+
+def native_window(mask_mod, block_mask, only_mask: bool, aligned: bool, causal, window_size) -> Optional[tuple]:
+    """The window_size that computes a call's mask when it is a built-in with one (sliding_window, as
+    the mask_mod or as the mask of the block mask), the call sets no other mod (``only_mask``) and
+    queries line up with keys (``aligned``): the built-in's window intersected with the call's own
+    causal / window_size. Else None. Such calls run as if that window_size were given: on the
+    Hopper kernels where those serve it."""
+    if not only_mask or not aligned or (mask_mod is None) == (block_mask is None):
+        return None
+    source = mask_mod if block_mask is None else block_mask
+    native = source.native if isinstance(source, (MaskMod, BlockMask)) else None
+    if native is None or "window_size" not in native:
+        return None
+    left, right = checks.window_pair(window_size)
+    if causal:
+        right = 0
+
+    def tighter(mine: int, built_in: int) -> int:  # -1 is unbounded
+        return built_in if mine < 0 else mine if built_in < 0 else min(mine, built_in)
+
+    built_left, built_right = native["window_size"]
+    return tighter(left, built_left), tighter(right, built_right)
 
 
 def call_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, batch: int,
-              nheads: int, seqlen_q: int, seqlen_k: int, aligned: bool, device: torch.device) -> tuple:
-    """(mods, softcap, alibi_slopes) of a call that sets mod arguments: a built-in score mod that is one
-    of the options becomes that option (native_options; mods None), else resolve_mods' Mods."""
-    only_score_mod = score_mod_bwd is None and mask_mod is None and aux_tensors is None and block_mask is None
+              nheads: int, seqlen_q: int, seqlen_k: int, aligned: bool, device: torch.device, attn_bias=None,
+              deterministic: bool = False, causal=False, window_size=(-1, -1)) -> tuple:
+    """(mods, softcap, alibi_slopes, causal, window_size) of a call that sets mod arguments: a built-in
+    that is one of the options becomes that option (native_options, native_window; mods None), else
+    resolve_mods' Mods and the options as given."""
+    only_score_mod = (score_mod_bwd is None and mask_mod is None and aux_tensors is None and block_mask is None
+                      and attn_bias is None)
     native = native_options(score_mod, only_score_mod, softcap, alibi_slopes, aligned)
     if native is not None:
-        return None, native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes)
+        return (None, native.get("softcap", softcap), native.get("alibi_slopes", alibi_slopes), causal,
+                window_size)
+    only_mask = score_mod is None and score_mod_bwd is None and aux_tensors is None and attn_bias is None
+    window = native_window(mask_mod, block_mask, only_mask, aligned, causal, window_size)
+    if window is not None:
+        if block_mask is not None:
+            block_mask.check_call(batch, nheads, seqlen_q, seqlen_k, device)
+        return None, softcap, alibi_slopes, False, window
     return (resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch, nheads, seqlen_q,
-                         seqlen_k, device), softcap, alibi_slopes)
+                         seqlen_k, device, attn_bias, deterministic), softcap, alibi_slopes, causal, window_size)
+
+
+def resolve_attn_bias(attn_bias, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, device: torch.device,
+                      deterministic: bool = False) -> AttnBias:
+    """Check ``attn_bias`` (a floating-point tensor broadcastable to (batch, nheads, seqlen_q, seqlen_k);
+    packed calls: per sequence, seqlen_* the longest) and resolve it for the kernels."""
+    target = (batch, nheads, seqlen_q, seqlen_k)
+    if not isinstance(attn_bias, torch.Tensor):
+        raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
+    if not attn_bias.is_floating_point():
+        raise ValueError(f"attn_bias must be a floating-point tensor, got {attn_bias.dtype}")
+    if attn_bias.device != device:
+        raise ValueError(f"attn_bias is on {attn_bias.device} but q is on {device}")
+    shape = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
+    if attn_bias.dim() > 4 or any(n not in (1, t) for n, t in zip(shape, target)):
+        raise ValueError(f"attn_bias must broadcast to (batch, nheads, seqlen_q, seqlen_k) = {target}, got shape "
+                         f"{tuple(attn_bias.shape)}")
+    read = attn_bias.detach()
+    if shape[3] > 1 and read.stride(-1) != 1:
+        read = read.contiguous()  # the kernels read along keys with stride 1 (kernels/portable/mods.py)
+    strides = (0,) * (4 - read.dim()) + read.stride()
+    strides = [0 if n == 1 else st for n, st in zip(shape, strides)]
+    grad_shape = target if deterministic else shape
+    grad_strides = [0 if n == 1 else st for n, st in zip(grad_shape, torch.empty(grad_shape, device="meta").stride())]
+    if deterministic or (grad_shape[2] > 1 and grad_shape[3] > 1):
+        grad_fn = builtin.attn_bias_grad
+    elif grad_shape[3] > 1:
+        grad_fn = builtin.attn_bias_grad_sum_queries
+    elif grad_shape[2] > 1:
+        grad_fn = builtin.attn_bias_grad_sum_keys
+    else:
+        grad_fn = builtin.attn_bias_grad_sum_tile
+    score_fn = builtin.attn_bias_score if shape[3] > 1 else builtin.attn_bias_score_keys_broadcast
+    return AttnBias(attn_bias, read, tuple(strides[:3]), tuple(grad_strides[:3]), grad_shape, score_fn, grad_fn)
 
 
 def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch: int, nheads: int,
-                 seqlen_q: int, seqlen_k: int, device: torch.device) -> Optional[Mods]:
+                 seqlen_q: int, seqlen_k: int, device: torch.device, attn_bias=None,
+                 deterministic: bool = False) -> Optional[Mods]:
     """Check a call's mod arguments and resolve them into one options.Mods (None: none given).
     A raw function reads ``aux_tensors``; a ScoreMod / MaskMod reads its own; a block mask brings
-    its mask_mod (and its aux tensors, when the call gives none)."""
-    if score_mod is None and score_mod_bwd is None and mask_mod is None and aux_tensors is None and block_mask is None:
+    its mask_mod (and its aux tensors, when the call gives none). ``attn_bias`` becomes the score
+    mod that adds it (resolve_attn_bias)."""
+    if not given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias):
         return None
+    bias = None
+    if attn_bias is not None:
+        if score_mod is not None or score_mod_bwd is not None:
+            raise ValueError("attn_bias and score_mod were both given: a call takes one score mod; add the bias "
+                             "inside score_mod (reading it from aux_tensors), or pass attn_bias alone")
+        bias = resolve_attn_bias(attn_bias, batch, nheads, seqlen_q, seqlen_k, device, deterministic)
+        # The forward never reads the gradient's slot (aux[2]): the bias stands in for it.
+        score_mod = ScoreMod(bias.score_fn, builtin.additive_bwd, bias.forward_aux())
     aux = ()
     if aux_tensors is not None:
         checks.check_aux_tensors(aux_tensors, device)
@@ -145,7 +224,8 @@ def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, ba
             raise ValueError("score_mod_bwd: a flashtile.mods.ScoreMod carries its own backward; pass a plain "
                              "function as score_mod to give one")
         score_mod, score_mod_bwd, score_aux = score_mod.fn, score_mod.bwd, score_mod.aux_tensors
-        checks.check_aux_tensors(score_aux, device, "score_mod's aux_tensors")
+        if bias is None:  # the bias is read by its strides, whatever they are
+            checks.check_aux_tensors(score_aux, device, "score_mod's aux_tensors")
     for name, fn in (("score_mod", score_mod), ("score_mod_bwd", score_mod_bwd)):
         if fn is not None and not is_jit_function(fn):
             raise TypeError(f"{name} must be a @triton.jit function or None, got {type(fn).__name__}")
@@ -170,4 +250,4 @@ def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, ba
         raise TypeError(f"mask_mod must be a @triton.jit function or None, got {type(mask_mod).__name__}")
     if score_mod is None and mask_mod is None:
         raise ValueError("aux_tensors were given without a score_mod or mask_mod to read them")
-    return Mods(score_mod, score_mod_bwd, mask_mod, score_aux, mask_aux, block_mask)
+    return Mods(score_mod, score_mod_bwd, mask_mod, score_aux, mask_aux, block_mask, bias)

@@ -13,8 +13,8 @@ calls the matching backward op. The public functions reach fwd and varlen_fwd th
 dense_attention / varlen_attention: the ops while torch.compile traces, and in eager mode the same
 bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time;
 flash_attn_with_kvcache reaches kvcache_fwd the same way (kvcache_attention_call). A learnable sink
-(sinks.py) wraps fwd / varlen_fwd and their backward ops in one more autograd.Function
-(dense_attention_with_sink, varlen_attention_with_sink).
+(sinks.py) or an attn_bias wraps fwd / varlen_fwd and their backward ops in one more
+autograd.Function (dense_attention_with_extras, varlen_attention_with_extras).
 The ops take what the kernels take: options already checked and folded by the public functions
 (softmax_scale resolved, causal folded into window_right = 0), and dropout's seed as an int64
 tensor drawn outside the op, so an op is a function of its inputs and the backward regenerates the
@@ -306,11 +306,11 @@ def varlen_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seq
 
 
 # ---------------------------------------------------------------------------------------------
-# Learnable sinks (sinks.py), on the ops above
+# Learnable sinks (sinks.py) and attn_bias (options.AttnBias), on the ops above
 # ---------------------------------------------------------------------------------------------
 
-class _SinkOp:
-    """How _SinkAttention runs one op: ``forward(*inputs)`` -> (out, lse), ``backward(dout, out, lse,
+class _ExtrasOp:
+    """How _ExtrasAttention runs one op: ``forward(*inputs)`` -> (out, lse), ``backward(dout, out, lse,
     *inputs)`` -> the gradients of the given ones of q, k, v (the op's bodies in eager mode, the ops
     while torch.compile traces)."""
 
@@ -321,13 +321,13 @@ class _SinkOp:
         return (self.forward_op if torch.compiler.is_compiling() else self.forward_body)(*inputs)
 
 
-def _dense_sink_backward(dout, out, lse, q, k, v, alibi_slopes, dropout_seed, floats, ints, *mods):
+def _dense_extras_backward(dout, out, lse, q, k, v, alibi_slopes, dropout_seed, floats, ints, *mods):
     backward = bwd if torch.compiler.is_compiling() else _bwd_body
     return backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints, *mods)
 
 
-def _varlen_sink_backward(dout, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                          alibi_slopes, dropout_seed, floats, ints, *mods):
+def _varlen_extras_backward(dout, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                            alibi_slopes, dropout_seed, floats, ints, *mods):
     if block_table is not None:
         return paged_no_backward(dout, *_unpack(q, k, v))
     backward = varlen_bwd if torch.compiler.is_compiling() else _varlen_bwd_body
@@ -335,19 +335,28 @@ def _varlen_sink_backward(dout, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, s
                     dropout_seed, floats, ints, *mods)
 
 
-_DENSE_SINK = _SinkOp(fwd, _fwd_body, _dense_sink_backward)
-_VARLEN_SINK = _SinkOp(varlen_fwd, _varlen_fwd_body, _varlen_sink_backward)
+_DENSE_EXTRAS = _ExtrasOp(fwd, _fwd_body, _dense_extras_backward)
+_VARLEN_EXTRAS = _ExtrasOp(varlen_fwd, _varlen_fwd_body, _varlen_extras_backward)
 
 
-class _SinkAttention(torch.autograd.Function):
-    """An attention op with a learnable sink per query head: the op's forward, then out and lse
-    rescaled for the sink (sinks.add_sink); the backward is the op's own on that out and lse, and
+class _ExtrasAttention(torch.autograd.Function):
+    """An attention op with inputs whose gradients the op's own backward does not give: a learnable
+    sink per query head and an attn_bias (the score mod of the op's mods; with ``with_bias`` the
+    tensor itself comes after the op's inputs, for autograd. No None stands in for it: torch.compile
+    traces calls with a sink, and the bias runs eagerly).
+
+    Forward: the op's, then out and lse rescaled for the sink (sinks.add_sink). Backward: the op's own
+    on that out and lse, its dQ kernel adding up the bias's gradient (AttnBias.backward_mods), and
     the sink's gradient (sinks.sink_grad). Returns (out, lse), lse with the sink."""
 
     @staticmethod
-    def forward(ctx, op: _SinkOp, sink, *inputs):
-        out, lse = sinks.add_sink(*op.forward(*inputs), sink)
-        ctx.op = op
+    def forward(ctx, op: _ExtrasOp, sink, with_bias: bool, *inputs):
+        if with_bias:
+            inputs = inputs[:-1]
+        out, lse = op.forward(*inputs)
+        if sink is not None:
+            out, lse = sinks.add_sink(out, lse, sink)
+        ctx.op, ctx.with_bias = op, with_bias
         ctx.tensor_at = [i for i, x in enumerate(inputs) if isinstance(x, Tensor)]
         ctx.others = [None if isinstance(x, Tensor) else x for x in inputs]
         ctx.save_for_backward(sink, out, lse, *(inputs[i] for i in ctx.tensor_at))
@@ -361,28 +370,43 @@ class _SinkAttention(torch.autograd.Function):
         for i, t in zip(ctx.tensor_at, tensors):
             inputs[i] = t
         dout = _unit_last_stride(dout)
+        bias_grad = []
+        if ctx.with_bias:
+            bias_grad = [None]
+            if ctx.needs_input_grad[-1]:
+                inputs[-1], accumulated = inputs[-1].attn_bias.backward_mods(inputs[-1])
         grads = iter(ctx.op.backward(dout, out, lse, *inputs))
         qkv_grads = [None if t is None else next(grads) for t in inputs[:3]]
-        return (None, sinks.sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[1] else None, *qkv_grads,
-                *(None,) * (len(inputs) - 3))
+        sink_grad = sinks.sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[1] else None
+        if ctx.with_bias and ctx.needs_input_grad[-1]:
+            bias_grad = [inputs[-1].attn_bias.grad(accumulated)]
+        return (None, sink_grad, None, *qkv_grads, *(None,) * (len(inputs) - 3), *bias_grad)
 
 
-def dense_attention_with_sink(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Tensor,
-                              alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
-                              ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
-    """dense_attention with a learnable sink (sinks.py), differentiable in q, k, v and the sink."""
-    return _SinkAttention.apply(_DENSE_SINK, learnable_sink, q, k, v, alibi_slopes, dropout_seed, floats, ints,
-                                *_given_mods(mods))
+def dense_attention_with_extras(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Optional[Tensor],
+                                attn_bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                                dropout_seed: Optional[Tensor], floats: List[float], ints: List[int],
+                                mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
+    """dense_attention with a learnable sink (sinks.py) and / or an attn_bias (``mods.attn_bias``
+    resolved from it), differentiable in q, k, v and both."""
+    return _ExtrasAttention.apply(_DENSE_EXTRAS, learnable_sink, attn_bias is not None, q, k, v, alibi_slopes,
+                                  dropout_seed, floats, ints, *_given_mods(mods), *_given_bias(attn_bias))
 
 
-def varlen_attention_with_sink(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Tensor,
-                               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
-                               seqused_k: Optional[Tensor], block_table: Optional[Tensor],
-                               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
-                               ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
-    """varlen_attention with a learnable sink (sinks.py)."""
-    return _SinkAttention.apply(_VARLEN_SINK, learnable_sink, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                seqused_k, block_table, alibi_slopes, dropout_seed, floats, ints, *_given_mods(mods))
+def varlen_attention_with_extras(q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                                 learnable_sink: Optional[Tensor], attn_bias: Optional[Tensor], cu_seqlens_q: Tensor,
+                                 cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+                                 block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                                 dropout_seed: Optional[Tensor], floats: List[float], ints: List[int],
+                                 mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
+    """varlen_attention with a learnable sink and / or an attn_bias (dense_attention_with_extras)."""
+    return _ExtrasAttention.apply(_VARLEN_EXTRAS, learnable_sink, attn_bias is not None, q, k, v, cu_seqlens_q,
+                                  cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
+                                  ints, *_given_mods(mods), *_given_bias(attn_bias))
+
+
+def _given_bias(attn_bias: Optional[Tensor]) -> tuple:
+    return () if attn_bias is None else (attn_bias,)
 
 
 def _given_mods(mods: Optional[Mods]) -> tuple:

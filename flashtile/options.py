@@ -40,6 +40,9 @@ class MaskMod:
 
     fn: object
     aux_tensors: tuple = ()
+    # The same mask as flash_attn's option ({"window_size": (left, right)}) where queries and keys line
+    # up (raw positions are then bottom-right ones), which the Hopper kernels compute: mods.native_window.
+    native: Optional[dict] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,10 +58,16 @@ class Mods:
     score_aux: tuple = ()
     mask_aux: tuple = ()
     block_mask: Optional[object] = None  # block_mask.BlockMask
+    attn_bias: Optional["AttnBias"] = None  # then score_mod adds it
+    # The dQ kernel's score_mod_bwd and its aux, where they differ from the dK/dV kernel's: an attn_bias
+    # gradient is accumulated there (AttnBias.backward_mods).
+    dq_score_mod_bwd: Optional[object] = None
+    dq_score_aux: Optional[tuple] = None
 
     def names(self) -> List[str]:
         """The mods set, by argument name (for the dispatcher's explanations)."""
-        return [name for name, value in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod),
+        score_mod = "attn_bias" if self.attn_bias is not None else "score_mod"
+        return [name for name, value in ((score_mod, self.score_mod), ("mask_mod", self.mask_mod),
                                          ("block_mask", self.block_mask)) if value is not None]
 
     def kernel_args(self, kernel: str, band: Optional[Tuple[int, int]]) -> dict:
@@ -73,9 +82,47 @@ class Mods:
                                  "(score_mod_bwd(grad, score, batch, head, q_idx, kv_idx, aux) -> grad of the "
                                  "mod's input); the built-in mods of flashtile.mods carry theirs")
             args["SCORE_MOD_BWD"] = self.score_mod_bwd
+            if kernel == "dq" and self.dq_score_mod_bwd is not None:
+                args.update(SCORE_MOD_BWD=self.dq_score_mod_bwd, ScoreAux=self.dq_score_aux)
         if kernel != "probs" and self.block_mask is not None:
             args.update(self.block_mask.kernel_args(kernel == "dkdv", band))
         return args
+
+
+@dataclass(frozen=True, eq=False)
+class AttnBias:
+    """A call's ``attn_bias`` (flashtile.mods.resolve_attn_bias checks it): ``tensor`` as given,
+    ``read`` the tensor the kernels read (``tensor``, or a copy with unit key stride), ``strides``
+    its batch, head and query strides as a (batch, nheads, seqlen_q, seqlen_k) tensor (0 along
+    broadcast dimensions), ``grad_strides`` those of its gradient's float32 accumulator, of shape
+    ``grad_shape`` (the bias's, as four dimensions; the full broadcast shape for a deterministic
+    backward, whose sums over broadcast dimensions then run in torch in a fixed order).
+    ``score_fn``: the score mod that adds it; ``grad_fn``: the dQ kernel's backward that adds into the
+    accumulator (both kernels/portable/mods.py, which says what their aux holds)."""
+
+    tensor: torch.Tensor
+    read: torch.Tensor
+    strides: Tuple[int, int, int]
+    grad_strides: Tuple[int, int, int]
+    grad_shape: Tuple[int, int, int, int]
+    score_fn: object
+    grad_fn: object
+
+    def forward_aux(self) -> tuple:
+        """The mods' aux of the forward (the bias stands in for the accumulator it never reads)."""
+        return (self.read, *self.strides, self.read, *self.strides)
+
+    def backward_mods(self, mods: Mods) -> Tuple[Mods, torch.Tensor]:
+        """(``mods`` with the dQ kernel adding the bias's gradient into a fresh zeroed float32
+        accumulator, that accumulator)."""
+        grad = torch.zeros(self.grad_shape, dtype=torch.float32, device=self.tensor.device)
+        aux = (self.read, *self.strides, grad, *self.grad_strides)
+        return dataclasses.replace(mods, dq_score_mod_bwd=self.grad_fn, dq_score_aux=aux), grad
+
+    def grad(self, accumulated: torch.Tensor) -> torch.Tensor:
+        """The bias's gradient, of its shape and dtype, from the accumulator backward_mods gave."""
+        shape = (1,) * (4 - self.tensor.dim()) + tuple(self.tensor.shape)
+        return accumulated.sum_to_size(shape).reshape(self.tensor.shape).to(self.tensor.dtype)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool
                     dropout_mask: Optional[torch.Tensor] = None,
                     dtype: Optional[torch.dtype] = torch.float64,
                     learnable_sink: Optional[torch.Tensor] = None, score_mod=None,
-                    mask_mod=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    mask_mod=None, attn_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention by the definition, computed in ``dtype`` (None: the input dtype).
 
     dropout_mask: boolean (b, h, sq, sk), True = kept, applied with scale 1/(1-p);
@@ -84,11 +84,14 @@ def attention_naive(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     matrix: ``score_mod(scores (b, h, sq, sk), b_idx, h_idx, q_idx, kv_idx)`` and ``mask_mod(b_idx,
     h_idx, q_idx, kv_idx) -> keep``, with broadcastable index tensors (b, 1, 1, 1), (1, h, 1, 1),
     (sq, 1), (1, sk).
+    attn_bias: broadcastable to (b, h, sq, sk), added to the scores after softcap and ALiBi.
     Differentiable: gradients through it are the reference gradients.
     """
     dtype = dtype or q.dtype
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     s = attention_scores(q, k, softmax_scale, softcap, alibi_slopes, dtype)
+    if attn_bias is not None:
+        s = s + attn_bias.to(dtype)
     keep = visible_keys_mask(seqlen_q, seqlen_k, window_size, causal, device=q.device)
     if score_mod is not None or mask_mod is not None:
         index = (torch.arange(s.shape[0], device=q.device)[:, None, None, None],
@@ -174,11 +177,15 @@ def attention_blockwise(q, k, v, softmax_scale: Optional[float] = None, causal: 
     return out, lse
 
 
-def _mods_of_sequence(options: dict, b: int) -> dict:
+def _mods_of_sequence(options: dict, b: int, used_q: int, used_k: int) -> dict:
     """``options`` with score_mod / mask_mod seeing sequence ``b`` of a packed batch as their batch
-    index (attention_naive runs it alone, as batch 0)."""
+    index (attention_naive runs it alone, as batch 0), and attn_bias's corner of sequence b."""
     options = dict(options)
     score_mod, mask_mod = options.get("score_mod"), options.get("mask_mod")
+    bias = options.get("attn_bias")
+    if bias is not None:  # broadcastable to (batch, h, max_seqlen_q, max_seqlen_k): sequence b's corner
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        options["attn_bias"] = bias[b if bias.shape[0] > 1 else 0][None, :, :used_q, :used_k]
     if score_mod is not None:
         options["score_mod"] = lambda s, b_idx, *index: score_mod(s, b_idx + b, *index)
     if mask_mod is not None:
@@ -212,7 +219,7 @@ def attention_varlen_naive(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: to
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
         mask = None if dropout_mask is None else dropout_mask[b:b + 1, :, :used_q, :used_k]
         out_b, lse_b = attention_naive(q_b, k_b, v_b, alibi_slopes=slopes, dropout_mask=mask,
-                                       **_mods_of_sequence(options, b))
+                                       **_mods_of_sequence(options, b, used_q, used_k))
         outs.append(out_b[0])
         lses.append(lse_b[0])
         if used_q < reserved_q:

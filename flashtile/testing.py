@@ -13,7 +13,7 @@ from .reference import attention_naive
 
 # The call options the references take (the rest, e.g. deterministic, do not change the result).
 REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "dropout_p",
-                     "learnable_sink")
+                     "learnable_sink", "attn_bias")
 
 # Floor on the allowed error per dtype, for cases where PyTorch's own error is tiny.
 EPSILON = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
@@ -51,25 +51,26 @@ def reference_errors(q, k, v, out, dout=None, grads=None, dropout_mask=None, ref
     """
     backward = grads is not None
     # Separate leaves, so the float64 reference's gradients are not rounded to the input dtype. A
-    # learnable sink is one more leaf when ``grads`` holds its gradient (a fourth).
-    inputs = [q, k, v]
-    if options.get("learnable_sink") is not None:
-        sink = options.pop("learnable_sink")
-        inputs.append(sink)
+    # learnable sink and an attn_bias are more leaves, in that order; ``grads`` holds the gradients
+    # of those of them that require grad, after dq, dk, dv.
+    names, inputs = ["dq", "dk", "dv"], [q, k, v]
+    extras = [name for name in ("learnable_sink", "attn_bias") if options.get(name) is not None]
+    for name in extras:
+        inputs.append(options.pop(name))
+        names.append({"learnable_sink": "dsink", "attn_bias": "dbias"}[name])
     leaves64 = [t.detach().double().requires_grad_(backward) for t in inputs]
     leaves = [t.detach().clone().requires_grad_(backward) for t in inputs]
-    if len(inputs) == 4:
-        options64, options = {**options, "learnable_sink": leaves64[3]}, {**options, "learnable_sink": leaves[3]}
-    else:
-        options64 = options
+    options64 = {**options, **dict(zip(extras, leaves64[3:]))}
+    options = {**options, **dict(zip(extras, leaves[3:]))}
     ref_out, ref_lse = reference(*leaves64[:3], dropout_mask=dropout_mask, dtype=torch.float64, **options64)
     same_out, _ = reference(*leaves[:3], dropout_mask=dropout_mask, dtype=None, **options)
     errors = [("out", rel_error(out, ref_out), rel_error(same_out, ref_out))]
     if backward:
-        ref_grads = torch.autograd.grad(ref_out, leaves64[:len(grads)], dout.double())
-        same_grads = torch.autograd.grad(same_out, leaves[:len(grads)], dout)
-        for name, g, rg, sg in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads, same_grads):
-            errors.append((name, rel_error(g, rg), rel_error(sg, rg)))
+        graded = [i for i, t in enumerate(inputs) if i < 3 or t.requires_grad][:len(grads)]
+        ref_grads = torch.autograd.grad(ref_out, [leaves64[i] for i in graded], dout.double())
+        same_grads = torch.autograd.grad(same_out, [leaves[i] for i in graded], dout)
+        for i, g, rg, sg in zip(graded, grads, ref_grads, same_grads):
+            errors.append((names[i], rel_error(g, rg), rel_error(sg, rg)))
     return errors, ref_lse
 
 
@@ -88,10 +89,11 @@ def call_errors(fn, q, k, v, *, backward: bool = True, reference=attention_naive
     dout = grads = None
     if backward:
         dout = torch.randn_like(out)
-        sink = options.get("learnable_sink")
-        inputs = (q, k, v) if sink is None or not sink.requires_grad else (q, k, v, sink)
+        extras = [(name, options.get(key)) for name, key in (("dsink", "learnable_sink"), ("dbias", "attn_bias"))]
+        extras = [(name, t) for name, t in extras if t is not None and t.requires_grad]
+        inputs = (q, k, v, *(t for _, t in extras))
         grads = torch.autograd.grad(out, inputs, dout)
-        for name, g, t in zip(("dq", "dk", "dv", "dsink"), grads, inputs):
+        for name, g, t in zip(("dq", "dk", "dv", *(name for name, _ in extras)), grads, inputs):
             if g.shape != t.shape or g.dtype != t.dtype:
                 raise AssertionError(f"{name} has shape {tuple(g.shape)} and dtype {g.dtype}; expected "
                                      f"{tuple(t.shape)}, {t.dtype}")

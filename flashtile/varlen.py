@@ -17,7 +17,7 @@ from .options import Mods, resolve_options
 
 # As interface.py's: calls with mods run eagerly (a graph break under torch.compile).
 _varlen_attention_eager = torch.compiler.disable(ops.varlen_attention)
-_varlen_attention_with_sink_eager = torch.compiler.disable(ops.varlen_attention_with_sink)
+_varlen_attention_with_extras_eager = torch.compiler.disable(ops.varlen_attention_with_extras)
 
 
 def _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
@@ -65,26 +65,28 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
     layout = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
+    attn_bias = None if mods is None or mods.attn_bias is None else mods.attn_bias.tensor
     if mods is not None:
-        if learnable_sink is None:
+        if learnable_sink is None and attn_bias is None:
             out, lse = _varlen_attention_eager(q, k, v, *layout, *tensors, floats, ints, mods)
         else:
-            out, lse = _varlen_attention_with_sink_eager(q, k, v, learnable_sink, *layout, *tensors, floats, ints,
-                                                         mods)
+            out, lse = _varlen_attention_with_extras_eager(q, k, v, learnable_sink, attn_bias, *layout, *tensors,
+                                                           floats, ints, mods)
     elif learnable_sink is None:
         out, lse = ops.varlen_attention(q, k, v, *layout, *tensors, floats, ints)
     else:
-        out, lse = ops.varlen_attention_with_sink(q, k, v, learnable_sink, *layout, *tensors, floats, ints)
+        out, lse = ops.varlen_attention_with_extras(q, k, v, learnable_sink, None, *layout, *tensors, floats, ints)
     if not return_attn_probs:
         return out
     return out, lse, _probs(q, k, v, lse, *layout, tensors, floats, ints, mods)
 
 
-def _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned: bool, *mod_args_and_options) -> tuple:
+def _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned: bool, *mod_args_and_options,
+               **options) -> tuple:
     """mods.call_mods for a packed batch: its sequences as the batch, the maxima as the lengths."""
     *mod_args, softcap, alibi_slopes = mod_args_and_options
     return call_mods(*mod_args, softcap, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], int(max_seqlen_q),
-                     int(max_seqlen_k), aligned, q.device)
+                     int(max_seqlen_k), aligned, q.device, **options)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -94,7 +96,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs: bool = False, block_table: Optional[torch.Tensor] = None,
                            seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
                            learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None, score_mod_bwd=None,
-                           mask_mod=None, aux_tensors=None, block_mask=None):
+                           mask_mod=None, aux_tensors=None, block_mask=None, attn_bias=None):
     """:func:`flashtile.flash_attn_func` on a packed batch of sequences of different lengths.
 
     Arguments:
@@ -122,11 +124,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask: as in flash_attn_func; the mods
             see each sequence's own positions and its index as the batch. A block mask is built for
             (batch, nheads, max_seqlen_q, max_seqlen_k).
+        attn_bias: as in flash_attn_func, broadcastable to (batch, nheads, max_seqlen_q, max_seqlen_k):
+            sequence b reads the top-left (seqlen_q_b, seqlen_k_b) corner of its slice.
     Returns:
         out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q) float32,
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
-    programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask)
+    programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias)
     key = None if learnable_sink is not None or programmable else call_plans.varlen_key(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k)
@@ -139,9 +143,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     mods = None
     if programmable:  # queries line up with keys when both sides share one cu_seqlens and use every token
         aligned = cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None and block_table is None
-        mods, softcap, alibi_slopes = _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned, score_mod,
-                                                 score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap,
-                                                 alibi_slopes)
+        mods, softcap, alibi_slopes, causal, window_size = _call_mods(
+            q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned, score_mod, score_mod_bwd, mask_mod, aux_tensors,
+            block_mask, softcap, alibi_slopes, attn_bias=attn_bias, deterministic=deterministic, causal=causal,
+            window_size=window_size)
     return _varlen(q, k, v, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    block_table, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, key, learnable_sink, mods)
@@ -153,7 +158,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: flo
                                      alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
                                      return_attn_probs: bool = False, learnable_sink: Optional[torch.Tensor] = None,
                                      *, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
-                                     block_mask=None):
+                                     block_mask=None, attn_bias=None):
     """:func:`flash_attn_varlen_func` with q, k, v packed as qkv (total, 3, nheads, headdim) and
     one cu_seqlens / max_seqlen for queries and keys. The backward writes one dqkv. learnable_sink
     and the mod arguments as in flash_attn_varlen_func."""
@@ -165,9 +170,11 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: flo
     checks.check_qkv_shapes(q, k, v, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
     _check_layout(q, k, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None)
     mods = None
-    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
-        mods, softcap, alibi_slopes = _call_mods(q, cu_seqlens, max_seqlen, max_seqlen, True, score_mod, score_mod_bwd,
-                                                 mask_mod, aux_tensors, block_mask, softcap, alibi_slopes)
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias):
+        mods, softcap, alibi_slopes, causal, window_size = _call_mods(
+            q, cu_seqlens, max_seqlen, max_seqlen, True, score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask,
+            softcap, alibi_slopes, attn_bias=attn_bias, deterministic=deterministic, causal=causal,
+            window_size=window_size)
     return _varlen(qkv, None, None, q, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None, None, None, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
                    learnable_sink=learnable_sink, mods=mods)
@@ -179,7 +186,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                                     deterministic: bool = False, return_attn_probs: bool = False,
                                     learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None,
-                                    score_mod_bwd=None, mask_mod=None, aux_tensors=None, block_mask=None):
+                                    score_mod_bwd=None, mask_mod=None, aux_tensors=None, block_mask=None,
+                                    attn_bias=None):
     """:func:`flash_attn_varlen_func` with k, v packed as kv (total_k, 2, nheads_k, headdim);
     learnable_sink and the mod arguments as in flash_attn_varlen_func."""
     checks.check_tensor(q, "q", 3)
@@ -191,10 +199,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     checks.check_qkv_shapes(q, k, v, names=("q", "kv[:, 0]", "kv[:, 1]"))
     _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None)
     mods = None
-    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask):
-        mods, softcap, alibi_slopes = _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                                                 cu_seqlens_q is cu_seqlens_k, score_mod, score_mod_bwd, mask_mod,
-                                                 aux_tensors, block_mask, softcap, alibi_slopes)
+    if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias):
+        mods, softcap, alibi_slopes, causal, window_size = _call_mods(
+            q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seqlens_q is cu_seqlens_k, score_mod, score_mod_bwd,
+            mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, attn_bias=attn_bias, deterministic=deterministic,
+            causal=causal, window_size=window_size)
     return _varlen(q, kv, None, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None, None,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, learnable_sink=learnable_sink, mods=mods)

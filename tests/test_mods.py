@@ -292,11 +292,34 @@ def test_builtin_mod_arguments_are_checked():
 
 
 def test_sliding_window_block_mask_is_flash_attn_window():
+    """Alone, the built-in window runs as window_size=; beside a score mod, as a block mask on the
+    portable kernels. Both compute flash_attn's window."""
     seqlen = 150 if not ON_GPU else 2000
     q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, 64, DTYPES[0])
     mask = flashtile.mods.sliding_window(40, 0, device=DEVICE)
     block_mask = flashtile.create_block_mask(mask, None, None, seqlen, seqlen, block_size=32 if not ON_GPU else 128)
     check_mods(flashtile.flash_attn_func, q, k, v, dict(block_mask=block_mask), dict(window_size=(40, 0)))
+    slopes = torch.rand(2, device=DEVICE)
+    check_mods(flashtile.flash_attn_func, q, k, v, dict(block_mask=block_mask, score_mod=flashtile.mods.alibi(slopes)),
+               dict(window_size=(40, 0), alibi_slopes=slopes))
+
+
+def test_builtin_sliding_window_runs_as_window_size():
+    q, k, v = make_qkv(1, 256, 256, 2, 2, 64, DTYPES[0], requires_grad=False)
+    mask = flashtile.mods.sliding_window(40, 0, device=DEVICE)
+    block_mask = flashtile.create_block_mask(mask, None, None, 256, 256, block_size=32 if not ON_GPU else 128)
+    # The call's own causal / window_size intersect the built-in's.
+    for options, window in ((dict(mask_mod=mask), (40, 0)), (dict(block_mask=block_mask), (40, 0)),
+                            (dict(mask_mod=mask, window_size=(10, 5)), (10, 0)),
+                            (dict(block_mask=block_mask, causal=True, window_size=(-1, 3)), (40, 0))):
+        explanation = flashtile.explain(q, k, v, device_capability=(9, 0), **options)
+        assert explanation.forward.path == "hopper", explanation
+        assert f"sliding window {window}" in explanation.forward.reason
+    # Queries not lined up with keys: raw positions are not flash_attn's, the mask stays a mask_mod.
+    explanation = flashtile.explain(q[:, :100], k, v, mask_mod=mask, device_capability=(9, 0))
+    assert explanation.forward.path == "portable" and "mask_mod" in explanation.forward.reason
+    with pytest.raises(ValueError, match="block_mask was built for seqlen_q=256"):
+        flashtile.flash_attn_func(q[:, :100], k[:, :100], v[:, :100], block_mask=block_mask)
 
 
 def test_explain_names_the_mods():

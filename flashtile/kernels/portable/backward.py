@@ -77,7 +77,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
                        APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr,
-                       MASK_MOD: tl.constexpr, score_aux, mask_aux, block_list=None, MASK_BLOCK_M: tl.constexpr = 1):
+                       MASK_MOD: tl.constexpr, score_aux, mask_aux, block_list=None, MASK_BLOCK_M: tl.constexpr = 1,
+                       LOOP_IN_BOUNDS: tl.constexpr = False):
     """Add the contributions of query blocks [row_start, row_end) to this key block's dK, dV (with a
     block mask's ``block_list``: its tiles, as forward._fwd_key_blocks walks them).
 
@@ -89,6 +90,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
     for step in range(row_start, row_end, step_size):
         if block_list is None:
             start_m = step
+            if SCORE_MOD is not None:  # the band's edges are tile multiples: aligned mod loads
+                start_m = tl.multiple_of(step, BLOCK_M)
         else:
             start_m = listed_tile_start(block_list, step, MASK_BLOCK_M, BLOCK_M)
         rows = start_m + offs_m
@@ -104,7 +107,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
         s_t, t_t = scores_log2(qk_t, cols, rows, -diag, qk_scale, softcap_log2, alibi_slope_log2,
                                HAS_SOFTCAP, HAS_ALIBI)
         if (SCORE_MOD is not None) or (MASK_MOD is not None):
-            q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, True)
+            q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, True, APPLY_MASK and not LOOP_IN_BOUNDS)
         if SCORE_MOD is not None:
             s_t, s_in_t = score_mod_log2(s_t, b, h, q_idx, kv_idx, SCORE_MOD, score_aux)
         if APPLY_MASK:
@@ -153,6 +156,7 @@ def attn_bwd_dkdv_kernel(
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_BWD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
     ScoreAux=None, MaskAux=None, BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
+    LOOP_IN_BOUNDS: tl.constexpr = False,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     h_kv = tl.program_id(1)
@@ -197,19 +201,20 @@ def attn_bwd_dkdv_kernel(
                 b, h, lo, full_lo, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                 alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                 HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux)
+                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
                 b, h, full_lo, full_hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                 alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                 HEAD_DIM, BLOCK_D, BLOCK_M, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux)
+                HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
+                LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
                 b, h, full_hi, hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                 alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
                 HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux)
+                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         else:
             # The block mask's lists seen from the keys (query blocks per key block): partial, then full.
             count, indices, full_count, full_indices = BlockLists
@@ -220,14 +225,15 @@ def attn_bwd_dkdv_kernel(
                 seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right, dropout_seed,
                 dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M)
+                MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
                 b, h, 0, tl.load(full_count + list_row) * (MASK_BLOCK_M // BLOCK_M), cols, offs_m, offs_d, seqlen_q,
                 seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right, dropout_seed,
                 dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, FULL_TILES_MASKED, HAS_LEFT,
                 HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, None,
-                ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M)
+                ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M,
+                LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
 
     dk = dk * softmax_scale
     store_tile(DK + b.to(tl.int64) * stride_dkb + k_start * stride_dks + h_kv.to(tl.int64) * stride_dkh,
@@ -245,13 +251,16 @@ def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride
                    APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr,
-                   MASK_MOD: tl.constexpr, score_aux, mask_aux, block_list=None, MASK_BLOCK_N: tl.constexpr = 1):
+                   MASK_MOD: tl.constexpr, score_aux, mask_aux, block_list=None, MASK_BLOCK_N: tl.constexpr = 1,
+                   LOOP_IN_BOUNDS: tl.constexpr = False):
     """Add the contributions of key blocks [col_start, col_end) to this query block's dQ (with a
     block mask's ``block_list``: its tiles, as forward._fwd_key_blocks walks them)."""
     step_size: tl.constexpr = BLOCK_N if block_list is None else 1
     for step in range(col_start, col_end, step_size):
         if block_list is None:
             start_n = step
+            if SCORE_MOD is not None:  # the band's edges are tile multiples: aligned mod loads
+                start_n = tl.multiple_of(step, BLOCK_N)
         else:
             start_n = listed_tile_start(block_list, step, MASK_BLOCK_N, BLOCK_N)
         cols = start_n + offs_n
@@ -261,7 +270,7 @@ def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride
         s, t = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
                            HAS_SOFTCAP, HAS_ALIBI)
         if (SCORE_MOD is not None) or (MASK_MOD is not None):
-            q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False)
+            q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False, APPLY_MASK and not LOOP_IN_BOUNDS)
         if SCORE_MOD is not None:
             s, s_in = score_mod_log2(s, b, h, q_idx, kv_idx, SCORE_MOD, score_aux)
         if APPLY_MASK:
@@ -303,6 +312,7 @@ def attn_bwd_dq_kernel(
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_BWD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
     ScoreAux=None, MaskAux=None, BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
+    LOOP_IN_BOUNDS: tl.constexpr = False,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
@@ -344,19 +354,19 @@ def attn_bwd_dq_kernel(
                             alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
                             dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                             HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                            MaskAux)
+                            MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, full_lo, full_hi,
                             rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                             alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
                             dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                             HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                            MaskAux)
+                            MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, full_hi, hi,
                             rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                             alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
                             dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                             HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                            MaskAux)
+                            MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
     else:
         # The block mask's partial key tiles, then its full ones (as the forward visits them).
         count, indices, full_count, full_indices = BlockLists
@@ -367,14 +377,15 @@ def attn_bwd_dq_kernel(
                             window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D,
                             BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
                             SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
-                            indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
+                            indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h,
                             0, tl.load(full_count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
                             seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left,
                             window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D,
                             BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                             DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, None, ScoreAux, MaskAux,
-                            full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
+                            full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
+                            LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
     dq = dq * softmax_scale
     store_tile(DQ + b.to(tl.int64) * stride_dqb + q_start * stride_dqs + h.to(tl.int64) * stride_dqh,
                dq.to(DQ.dtype.element_ty), rows, offs_d, stride_dqs, seqlen_q, HEAD_DIM, BLOCK_D)

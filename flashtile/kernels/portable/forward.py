@@ -32,15 +32,18 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, strid
                     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                     BlockTable, stride_bt, page_stride_k, page_stride_v, num_pages, key_shift,
                     PAGE_SIZE: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, score_aux, mask_aux,
-                    block_list=None, MASK_BLOCK_N: tl.constexpr = 1):
+                    block_list=None, MASK_BLOCK_N: tl.constexpr = 1, LOOP_IN_BOUNDS: tl.constexpr = False):
     """Fold key blocks [col_start, col_end) into the running (acc, m_i, l_i). APPLY_MASK: the
     element masks (bounds, band, mask_mod); without it the blocks must lie wholly inside.
+    LOOP_IN_BOUNDS: every key block ends inside the sequence, so mods see key positions unclamped.
     With a ``block_list`` (a block mask's, scores.py): its tiles [col_start, col_end) instead, tile
     t being BLOCK_N keys of the block of MASK_BLOCK_N keys listed at t // (MASK_BLOCK_N // BLOCK_N)."""
     step_size: tl.constexpr = BLOCK_N if block_list is None else 1
     for step in tl.range(col_start, col_end, step_size, warp_specialize=WARP_SPECIALIZE):
         if block_list is None:
             start_n = step
+            if SCORE_MOD is not None:  # the band's edges are tile multiples: aligned mod loads
+                start_n = tl.multiple_of(step, BLOCK_N)
         else:
             start_n = listed_tile_start(block_list, step, MASK_BLOCK_N, BLOCK_N)
         cols = start_n + offs_n
@@ -57,13 +60,13 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, strid
                                HAS_SOFTCAP, HAS_ALIBI)
             scale = 1.0
             if SCORE_MOD is not None:
-                q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False)
+                q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False, APPLY_MASK and not LOOP_IN_BOUNDS)
                 s, _ = score_mod_log2(s, b, h, q_idx, kv_idx, SCORE_MOD, score_aux)
         if APPLY_MASK:
             s = mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT)
             if MASK_MOD is not None:
-                q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False)
+                q_idx, kv_idx = mod_positions(rows, cols, seqlen_q, seqlen_k, False, APPLY_MASK and not LOOP_IN_BOUNDS)
                 s = mask_mod_scores(s, b, h, q_idx, kv_idx, MASK_MOD, mask_aux)
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         if APPLY_MASK or (SCORE_MOD is not None):
@@ -108,6 +111,7 @@ def attn_fwd_kernel(
     SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None, ScoreAux=None, MaskAux=None,
     BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
+    LOOP_IN_BOUNDS: tl.constexpr = False,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
@@ -223,7 +227,7 @@ def attn_fwd_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
-            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux)
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
             seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
@@ -231,7 +235,7 @@ def attn_fwd_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
-            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux)
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
             seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
@@ -239,7 +243,7 @@ def attn_fwd_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
-            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux)
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
     else:
         # The block mask's partial tiles (element masks, mask_mod included), then its full ones (element
         # masks only when FULL_TILES_MASKED: packed sequences end anywhere); empty ones never come.
@@ -253,7 +257,8 @@ def attn_fwd_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
-            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
+            SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
+            LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs,
             0, tl.load(full_count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
@@ -262,7 +267,8 @@ def attn_fwd_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
             DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
-            SCORE_MOD, None, ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N)
+            SCORE_MOD, None, ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
+            LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
 
     # A row that saw no key at all (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0

@@ -116,7 +116,7 @@ class PortableForward:
 
     def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
                  splits: Optional[tuple] = None, pack_gqa: bool = False):
-        batch, max_seqlen_q, _ = grid_lengths(q, k, seqs)
+        batch, max_seqlen_q, max_seqlen_k = grid_lengths(q, k, seqs)
         nheads, head_dim = q.shape[2], q.shape[3]
         cfg = fit_block_mask(cfg, params)
         if pack_gqa:  # tiles of (query row, head of the group) rows, one program column per kv head
@@ -143,7 +143,8 @@ class PortableForward:
                  SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
                  WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  **({"PACK_GQA": True} if pack_gqa else {}), **_row_stride(lse),
-                 **params.mod_args("fwd", seqs is not None), **cfg.launch_kwargs()),
+                 **params.mod_args("fwd", seqs is not None), **_loop_in_bounds(params, seqs, max_seqlen_k, cfg.block_n),
+                 **cfg.launch_kwargs()),
             slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ",
                    "SeqUsedK", "BlockTable", "KeyShift"))
 
@@ -270,6 +271,15 @@ _PORTABLE_BWD_SLOTS = ("Q", "K", "V", "DOut", "LseLog2", "Delta", "CuSeqlensQ", 
                        "AlibiSlopes", "DropoutSeed")
 
 
+def _loop_in_bounds(params: ScoreParams, seqs: Optional[PackedSeqs], loop_length: int, block: int) -> dict:
+    """LOOP_IN_BOUNDS for a dense call with mods whose loop axis (keys; queries in the dK/dV kernel)
+    ends on a tile edge: no tile passes the sequence's end, and the mods see those positions
+    unclamped (scores.mod_positions), so that loads along them vectorize."""
+    if params.mods is None or seqs is not None or loop_length % block:
+        return {}
+    return {"LOOP_IN_BOUNDS": True}
+
+
 def portable_bwd_call(kernel: str, q, k, v, dout, delta, grads: tuple, params: ScoreParams, cfg,
                        seqs: Optional[PackedSeqs]) -> CompiledCall:
     """The portable dK/dV (kernel BWD_DKDV, grads (dk, dv)) or dQ (BWD_DQ, grads (dq,)) launch,
@@ -287,7 +297,9 @@ def portable_bwd_call(kernel: str, q, k, v, dout, delta, grads: tuple, params: S
          *_bsh_strides(dout), *grad_strides, *_bh_strides(delta)),
         dict(**_seq_args(seqs), softmax_scale=params.softmax_scale, **_shape_args(q, k), **params.kernel_args(q.dtype),
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-             **params.mod_args("dkdv" if kernel == BWD_DKDV else "dq", seqs is not None), **cfg.launch_kwargs()),
+             **params.mod_args("dkdv" if kernel == BWD_DKDV else "dq", seqs is not None),
+             **(_loop_in_bounds(params, seqs, max_seqlen_q, cfg.block_m) if kernel == BWD_DKDV else
+                _loop_in_bounds(params, seqs, max_seqlen_k, cfg.block_n)), **cfg.launch_kwargs()),
         slots=_PORTABLE_BWD_SLOTS + names)
 
 

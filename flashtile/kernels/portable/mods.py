@@ -44,6 +44,66 @@ def relative_bias_score(score, b, h, q_idx, kv_idx, aux):
     return score + tl.load(aux[0] + h * (2 * max_distance + 1) + offset)
 
 
+# attn_bias: aux = (bias, stride_b, stride_h, stride_q, grad, grad_stride_b, grad_stride_h, grad_stride_q):
+# the bias and the backward's float32 accumulator of its gradient, with their strides as ints (0 along
+# broadcast dimensions), which the launch specializes like any int argument (divisible by 16, ...).
+# Both have key stride 1 unless broadcast over keys: the key positions enter unscaled, so that in the
+# kernels' unmasked tiles, where they are not clamped, the compiler sees them contiguous and aligned
+# and vectorizes the loads and atomics along them.
+
+@triton.jit
+def _head_offset(b, h, aux, first: tl.constexpr):
+    """Offset of (b, h) in aux[first] by its strides aux[first + 1:first + 3] (64-bit: a bias of many
+    long sequences outgrows 32 bits)."""
+    return b.to(tl.int64) * aux[first + 1] + h.to(tl.int64) * aux[first + 2]
+
+
+@triton.jit
+def _row_offsets(b, h, q_idx, aux, first: tl.constexpr):
+    return _head_offset(b, h, aux, first) + q_idx.to(tl.int64) * aux[first + 3]
+
+
+@triton.jit
+def attn_bias_score(score, b, h, q_idx, kv_idx, aux):
+    """Adds bias[b, h, q_idx, kv_idx] (any float dtype)."""
+    return score + tl.load(aux[0] + (_row_offsets(b, h, q_idx, aux, 0) + kv_idx)).to(tl.float32)
+
+
+@triton.jit
+def attn_bias_score_keys_broadcast(score, b, h, q_idx, kv_idx, aux):
+    """Adds bias[b, h, q_idx, 0]: a bias of one key."""
+    return score + tl.load(aux[0] + _row_offsets(b, h, q_idx, aux, 0)).to(tl.float32)
+
+
+# The dQ kernel's backward of attn_bias: the bias's gradient is the score's, added into aux[4] once per
+# score there (the dK/dV kernel takes additive_bwd). Its tiles are queries x keys. A gradient broadcast
+# over queries or keys is summed along that axis first, so that one atomic add carries a line of the
+# tile. Positions past a sequence's end are clamped onto its last one, where the gradient is exactly 0.
+
+@triton.jit
+def attn_bias_grad(grad, score, b, h, q_idx, kv_idx, aux):
+    tl.atomic_add(aux[4] + (_row_offsets(b, h, q_idx, aux, 4) + kv_idx), grad, sem="relaxed")
+    return grad
+
+
+@triton.jit
+def attn_bias_grad_sum_queries(grad, score, b, h, q_idx, kv_idx, aux):
+    tl.atomic_add(aux[4] + (_head_offset(b, h, aux, 4) + tl.sum(kv_idx, 0)), tl.sum(grad, 0), sem="relaxed")
+    return grad
+
+
+@triton.jit
+def attn_bias_grad_sum_keys(grad, score, b, h, q_idx, kv_idx, aux):
+    tl.atomic_add(aux[4] + tl.sum(_row_offsets(b, h, q_idx, aux, 4), 1), tl.sum(grad, 1), sem="relaxed")
+    return grad
+
+
+@triton.jit
+def attn_bias_grad_sum_tile(grad, score, b, h, q_idx, kv_idx, aux):
+    tl.atomic_add(aux[4] + _head_offset(b, h, aux, 4), tl.sum(tl.sum(grad, 1), 0), sem="relaxed")
+    return grad
+
+
 @triton.jit
 def document_mask(b, h, q_idx, kv_idx, aux):
     """aux = (document_ids,): int32 (seqlen,), the document of each position (packed documents in

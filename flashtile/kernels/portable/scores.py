@@ -56,13 +56,19 @@ def mask_scores(s, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_rig
 
 
 @triton.jit
-def mod_positions(rows, cols, seqlen_q, seqlen_k, KEYS_FIRST: tl.constexpr):
+def mod_positions(rows, cols, seqlen_q, seqlen_k, KEYS_FIRST: tl.constexpr, CLAMP_LOOP: tl.constexpr = True):
     """(q_idx, kv_idx): the positions a score or mask mod sees, clamped into the sequence (a mod may
     index its aux tensors with them; the clamped rows and columns are masked off anyway). A column
     and a row of a queries-by-keys tile, or with KEYS_FIRST a row and a column (the dK/dV kernel's
-    keys-by-queries tiles)."""
-    q_idx = tl.minimum(rows, tl.maximum(seqlen_q - 1, 0))
-    kv_idx = tl.minimum(cols, tl.maximum(seqlen_k - 1, 0))
+    keys-by-queries tiles). The program's own axis (queries; keys with KEYS_FIRST) is always
+    clamped; the axis its loop walks only with CLAMP_LOOP: unmasked tiles lie inside the sequence,
+    and unclamped positions keep their contiguity, which vectorizes the mods' loads along them."""
+    q_idx = rows
+    kv_idx = cols
+    if KEYS_FIRST or CLAMP_LOOP:
+        kv_idx = tl.minimum(cols, tl.maximum(seqlen_k - 1, 0))
+    if (not KEYS_FIRST) or CLAMP_LOOP:
+        q_idx = tl.minimum(rows, tl.maximum(seqlen_q - 1, 0))
     if KEYS_FIRST:  # one return for both layouts: the compiler wants one return type
         q_idx = q_idx[None, :]
         kv_idx = kv_idx[:, None]

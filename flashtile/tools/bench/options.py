@@ -13,13 +13,18 @@ option set of --sets:
   mod-alibi-causal           causal, ALiBi as a score_mod (flashtile.mods.alibi; Flex: the same mod);
   mod-relbias-causal         causal, a relative-position bias table as a score_mod (flashtile.mods.relative_bias,
                              128 distances each way);
-  mask-window                the causal sliding window (--window) as a mask_mod with a block mask;
+  mask-window                the causal sliding window (--window) as a block mask (flashtile: the built-in
+                             mods.sliding_window, which runs as window_size=);
   mask-document              causal attention within packed documents (lengths 1/2, 1/4, 1/8, ... of a
-                             sequence) as a mask_mod with a block mask.
+                             sequence) as a mask_mod with a block mask;
+  bias-full / bias-causal    an attn_bias of shape (1, nheads, seqlen, seqlen) shared by the batch, its
+                             gradient too (causal: -inf above the diagonal in the bias, which SDPA's
+                             efficient backend reads as its mask).
 TFLOP/s count the (query, key) pairs the options leave visible: 4 * b * h * d per pair, 3.5x that for
 forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain TFLOP/s of the same mask
 class (causal-shaped sets against plain-causal, the others against plain-full), all in the same run;
-"ft/flex" over compiled FlexAttention with the same block mask and score_mod. Every system's output
+"ft/flex" over compiled FlexAttention with the same block mask and score_mod (the bias read from its
+tensor), "ft/sdpa-efficient" over SDPA's memory-efficient backend (bias sets). Every system's output
 (flashtile's gradients too) is checked on the first batch element against a float32 reference.
 """
 
@@ -38,8 +43,9 @@ PROG = "python -m flashtile bench options"
 MODES = ("fwd", "fwd_bwd")
 SETS = ("plain-causal", "plain-full", "window-causal", "window-both", "softcap-causal", "softcap-full",
         "alibi-causal", "alibi-full", "window-softcap", "sink-causal", "sink-full", "mod-alibi-causal",
-        "mod-relbias-causal", "mask-window", "mask-document")
-ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod"}
+        "mod-relbias-causal", "mask-window", "mask-document", "bias-full", "bias-causal")
+ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod",
+           "sdpa-efficient": "SDPA's memory-efficient backend with the bias as attn_mask (the bias sets only)"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
 SMOKE_DEFAULTS = {"headdims": [32], "seqlen": 64, "tokens": 64, "heads": 2, "window": 16, "dtype": "fp16"}
@@ -65,8 +71,11 @@ def option_set(name: str, window: int, softcap: float) -> dict:
         "mod-relbias-causal": dict(causal=True, mod="relbias"),
         "mask-window": dict(mask="window", mask_window=window),
         "mask-document": dict(mask="document"),
+        "bias-full": dict(bias=True),
+        "bias-causal": dict(causal=True, bias=True),
     }
-    return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, sink=False, mod=None, mask=None),
+    return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, sink=False, mod=None, mask=None,
+                   bias=False),
             **sets[name]}
 
 
@@ -122,6 +131,14 @@ class Problem:
         # mod-relbias: a bias per head and distance, clipped at 128 each way.
         self.bias_table = (torch.randn(nheads, 257, device=device, generator=generator)
                            if options["mod"] == "relbias" else None)
+        # bias-*: one bias per head and (query, key) pair, shared by the batch; -inf above the diagonal
+        # when causal (SDPA's efficient backend takes the mask from it).
+        self.bias = None
+        if options["bias"]:
+            bias = torch.randn(1, nheads, seqlen, seqlen, device=device, dtype=dtype, generator=generator)
+            if options["causal"]:
+                bias.masked_fill_(torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).triu(1), float("-inf"))
+            self.bias = bias.requires_grad_()
         self.documents = None
         if options["mask"] == "document":
             lengths = document_lengths(seqlen)
@@ -148,7 +165,8 @@ class Problem:
     def flash_kwargs(self) -> dict:
         o = self.options
         return dict(causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
-                    alibi_slopes=None if o["mod"] else self.slopes, learnable_sink=self.sink)
+                    alibi_slopes=None if o["mod"] else self.slopes, learnable_sink=self.sink,
+                    **({} if self.bias is None else {"attn_bias": self.bias}))
 
 
 def flashtile_system(p: Problem):
@@ -183,6 +201,7 @@ def flex_system(p: Problem):
     o, slopes = p.options, p.slopes
     if p.sink is not None:
         raise ValueError("FlexAttention has no learnable sink")
+    bias = None if p.bias is None else p.bias[0]
     left, right = o["window_size"]
     if o["causal"]:
         right = 0
@@ -215,11 +234,13 @@ def flex_system(p: Problem):
             score = score - slopes[head] * (q_idx - kv_idx).abs()
         if table is not None:
             score = score + table[head, (kv_idx - q_idx).clamp(-128, 128) + 128]
+        if bias is not None:
+            score = score + bias[head, q_idx, kv_idx]
         return score
 
     flex = compiled_flex_attention()
     kwargs = {"enable_gqa": True} if p.nheads_k != p.nheads else {}
-    if cap > 0 or slopes is not None or table is not None:
+    if cap > 0 or slopes is not None or table is not None or bias is not None:
         kwargs["score_mod"] = score_mod
 
     def attn(q, k, v):
@@ -229,21 +250,42 @@ def flex_system(p: Problem):
     return attn
 
 
-SYSTEMS = {"flashtile": flashtile_system, "flex": flex_system}
+def sdpa_efficient_system(p: Problem):
+    """SDPA's memory-efficient backend, the one PyTorch backend with a gradient for attn_mask: the bias
+    sets only."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if p.bias is None or p.nheads_k != p.nheads:
+        raise ValueError("SDPA's efficient backend runs the bias sets, without GQA")
+
+    def attn(q, k, v):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                   v.transpose(1, 2), attn_mask=p.bias)
+        return out.transpose(1, 2)
+
+    return attn
+
+
+SYSTEMS = {"flashtile": flashtile_system, "flex": flex_system, "sdpa-efficient": sdpa_efficient_system}
 
 
 def reference(p: Problem, with_grads: bool) -> dict:
-    """float32 out (and dq, dk, dv of sum(out * dout)) of the first batch element, a KV head at a time."""
+    """float32 out (and dq, dk, dv of sum(out * dout)) of the first batch element, a KV head at a time;
+    with a bias, its gradient too, summed over the whole batch (the bias is shared by it)."""
     import torch
 
     from flashtile.reference import attention_naive
 
     group = p.nheads // p.nheads_k
-    pieces: dict = {name: [] for name in ("out", "dq", "dk", "dv")}
-    for kv_head in range(p.nheads_k):
+    pieces: dict = {name: [] for name in ("out", "dq", "dk", "dv", "dbias")}
+    batches = range(p.q.shape[0] if p.bias is not None and with_grads else 1)
+    for b, kv_head in ((b, h) for h in range(p.nheads_k) for b in batches):
         heads = slice(kv_head * group, (kv_head + 1) * group)
-        q, k, v = (t[:1, :, hs].detach().float().requires_grad_(with_grads)
+        q, k, v = (t[b:b + 1, :, hs].detach().float().requires_grad_(with_grads)
                    for t, hs in ((p.q, heads), (p.k, slice(kv_head, kv_head + 1)), (p.v, slice(kv_head, kv_head + 1))))
+        bias = None if p.bias is None else p.bias[:, heads].detach().float().requires_grad_(with_grads)
         o = p.options
         with torch.enable_grad():
             score_twin, mask_twin = p.score_twin(), p.mask_twin()
@@ -253,12 +295,20 @@ def reference(p: Problem, with_grads: bool) -> dict:
             out, _ = attention_naive(q, k, v, causal=o["causal"], window_size=o["window_size"], softcap=o["softcap"],
                                      alibi_slopes=None if p.slopes is None or o["mod"] else p.slopes[heads],
                                      learnable_sink=None if p.sink is None else p.sink[heads].detach(),
-                                     dtype=torch.float32, score_mod=score_twin, mask_mod=mask_twin)
-            grads = torch.autograd.grad(out, (q, k, v), p.dout[:1, :, heads].float()) if with_grads else ()
-        pieces["out"].append(out.detach())
-        for name, grad in zip(("dq", "dk", "dv"), grads):
-            pieces[name].append(grad)
-    return {name: torch.cat(parts, dim=2) for name, parts in pieces.items() if parts}
+                                     dtype=torch.float32, score_mod=score_twin, mask_mod=mask_twin, attn_bias=bias)
+            leaves = (q, k, v) if bias is None else (q, k, v, bias)
+            grads = torch.autograd.grad(out, leaves, p.dout[b:b + 1, :, heads].float()) if with_grads else ()
+        if b == 0:
+            pieces["out"].append(out.detach())
+            for name, grad in zip(("dq", "dk", "dv"), grads):
+                pieces[name].append(grad)
+        if bias is not None and with_grads:
+            if b == 0:
+                pieces["dbias"].append(grads[3])
+            else:
+                pieces["dbias"][-1] += grads[3]
+        del out, grads
+    return {name: torch.cat(parts, dim=2 if name != "dbias" else 1) for name, parts in pieces.items() if parts}
 
 
 def check(name: str, attn, p: Problem, ref: dict) -> dict[str, float]:
@@ -269,9 +319,21 @@ def check(name: str, attn, p: Problem, ref: dict) -> dict[str, float]:
     out = attn(*leaves)
     errors = {"out": relative_error(out[:1], ref["out"])}
     if grads:
-        for key, grad in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, p.dout)):
-            errors[key] = relative_error(grad[:1], ref[key])
+        with_bias = leaves + ([p.bias] if p.bias is not None else [])
+        for key, grad in zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(out, with_bias, p.dout)):
+            errors[key] = relative_error(grad if key == "dbias" else grad[:1], ref[key])
     return errors
+
+
+def timed(attn, p: Problem, mode: str):
+    """common.timed_call, with the bias among the gradients asked for (SDPA computes the bias's only
+    when it is asked for)."""
+    import torch
+
+    if p.bias is None or mode == "fwd":
+        return timed_call(attn, p, mode)
+    leaves = [t.detach().requires_grad_() for t in (p.q, p.k, p.v)]
+    return lambda: torch.autograd.grad(attn(*leaves), [*leaves, p.bias], p.dout)
 
 
 def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
@@ -341,8 +403,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--modes", type=choice_list(MODES), default=["fwd"], help="fwd, fwd_bwd (default: fwd)")
     add("--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: bf16; fp16 when smoke)")
     add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
-        default=None, help="anchors timed in the same run: flex; 'none' for flashtile alone "
-                           "(default: flex; none with --interpret-smoke)")
+        default=None, help="anchors timed in the same run: flex, sdpa-efficient; 'none' for flashtile alone "
+                           "(default: both; none with --interpret-smoke)")
     add_common_arguments(parser)
 
 
@@ -395,7 +457,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                     attn, errors, reason = None, None, failure_reason(exc)
                 work = 4.0 * batch * nheads * headdim * pairs
                 for record in mode_records(base, args.modes, attn, errors, reason, tolerance, not smoke,
-                                           functools.partial(timed_call, attn, problem),
+                                           functools.partial(timed, attn, problem),
                                            lambda mode: work * (3.5 if mode == "fwd_bwd" else 1.0),
                                            args.warmup_ms, args.rep_ms):
                     records.append(record)
