@@ -338,6 +338,17 @@ def _mod_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
     return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
 
 
+def _attn_bias_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
+    """attn_bias (1, nheads, seqlen, seqlen), shared by the batch, with the dQ kernel's gradient
+    accumulation (mods.resolve_attn_bias, AttnBias.backward_mods)."""
+    from ..mods import resolve_mods
+
+    bias = _empty(1, nheads, seqlen, seqlen)
+    mods = resolve_mods(None, None, None, None, None, 2, nheads, seqlen, seqlen, bias.device, attn_bias=bias)
+    mods, _ = mods.attn_bias.backward_mods(mods)
+    return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
+
+
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper forward: a dense batch, a packed one, and a dense batch with
     every score option at once (a sliding window, softcap, (b, h) ALiBi slopes)."""
@@ -377,7 +388,8 @@ def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
 
 def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     """(variant, part, build) of the portable forward: dense, packed, paged, a kv cache (paged,
-    left-padded), split-KV decoding and its combine, and the kv-cache update."""
+    left-padded), split-KV decoding and its combine, the kv-cache update, and dense with mods and
+    with an attn_bias."""
     from ..dispatch import attention_forward_split
     from ..kernels.portable.launch import launch_forward, launch_kvcache_update
 
@@ -415,6 +427,7 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
             q4, k4, k4, out4, lse4, params, dec, PackedSeqs(None, None, 4, 600, dense_batch=2),
             splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True)),
         ("fwd/mods", "fwd", lambda: launch_forward(q, q, q, out, lse, _mod_params(causal, h, 512), cfg)),
+        ("fwd/attn-bias", "fwd", lambda: launch_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 512), cfg)),
     ]
     k1 = _empty(2, 1, max(h // 4, 1), d, dtype=dtype)
     cache = _empty(20, 32, max(h // 4, 1), d, dtype=dtype)
@@ -427,8 +440,8 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
 
 
 def portable_bwd_builds(d: int, causal: bool, dtype) -> list:
-    """(layout, build) of the portable backward (preprocess, dK/dV, dQ), dense and packed, and dense
-    with score and mask mods and a block mask."""
+    """(layout, build) of the portable backward (preprocess, dK/dV, dQ), dense and packed, dense with
+    score and mask mods and a block mask, and dense with an attn_bias and its gradient."""
     h = 1024 // d
     params = _params(causal)
     pre, dkdv, dq = (table_config(kernel, ARCH, d, causal, 4096, dtype)
@@ -442,7 +455,8 @@ def portable_bwd_builds(d: int, causal: bool, dtype) -> list:
     dense, packed = tensors(2, 512), tensors(1, 1000)
     return [("dense", lambda: portable_backward(*dense, params, pre, dkdv, dq)),
             ("varlen", lambda: portable_backward(*packed, params, pre, dkdv, dq, PackedSeqs(cu, cu, 600, 600))),
-            ("mods", lambda: portable_backward(*dense, _mod_params(causal, h, 512), pre, dkdv, dq))]
+            ("mods", lambda: portable_backward(*dense, _mod_params(causal, h, 512), pre, dkdv, dq)),
+            ("attn-bias", lambda: portable_backward(*dense, _attn_bias_params(causal, h, 512), pre, dkdv, dq))]
 
 
 def catalog(head_dims: Sequence[int] = (64, 128, 256), dtype=torch.bfloat16, with_candidates: bool = False,
