@@ -412,12 +412,13 @@ def mode_records(base: dict, modes, attn, errors, failure: str | None, tolerance
     return records
 
 
-def timed_call(attn, inputs, mode: str) -> Callable[[], object]:
+def timed_call(attn, inputs, mode: str, extra_leaves: tuple = ()) -> Callable[[], object]:
     """What do_bench times for ``attn`` on inputs with q, k, v, dout attributes: the forward alone
-    ("fwd"), or the forward and the gradients of q, k, v ("fwd_bwd")."""
+    ("fwd"), or the forward and the gradients of q, k, v and of ``extra_leaves`` (tensors ``attn``
+    reads itself, such as a bias: some systems compute a gradient only when it is asked for)."""
     import torch
 
     leaves = [t.detach().requires_grad_(mode == "fwd_bwd") for t in (inputs.q, inputs.k, inputs.v)]
     if mode == "fwd":
         return lambda: attn(*leaves)
-    return lambda: torch.autograd.grad(attn(*leaves), leaves, inputs.dout)
+    return lambda: torch.autograd.grad(attn(*leaves), [*leaves, *extra_leaves], inputs.dout)

@@ -325,17 +325,6 @@ def check(name: str, attn, p: Problem, ref: dict) -> dict[str, float]:
     return errors
 
 
-def timed(attn, p: Problem, mode: str):
-    """common.timed_call, with the bias among the gradients asked for (SDPA computes the bias's only
-    when it is asked for)."""
-    import torch
-
-    if p.bias is None or mode == "fwd":
-        return timed_call(attn, p, mode)
-    leaves = [t.detach().requires_grad_() for t in (p.q, p.k, p.v)]
-    return lambda: torch.autograd.grad(attn(*leaves), [*leaves, p.bias], p.dout)
-
-
 def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
     others = [s for s in systems if s != "flashtile"]
     header = ["hdim", "heads", "set", "mode", *systems, "ft/plain", *(f"ft/{s}" for s in others), "ok"]
@@ -456,8 +445,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                 except Exception as exc:  # a system that cannot run this set: reported, not fatal
                     attn, errors, reason = None, None, failure_reason(exc)
                 work = 4.0 * batch * nheads * headdim * pairs
+                # The bias's gradient is asked for too: SDPA computes it only then.
+                bias = () if problem.bias is None else (problem.bias,)
                 for record in mode_records(base, args.modes, attn, errors, reason, tolerance, not smoke,
-                                           functools.partial(timed, attn, problem),
+                                           functools.partial(timed_call, attn, problem, extra_leaves=bias),
                                            lambda mode: work * (3.5 if mode == "fwd_bwd" else 1.0),
                                            args.warmup_ms, args.rep_ms):
                     records.append(record)
