@@ -126,9 +126,9 @@ class DenseCall:
     The options resolved once (``params``; the ALiBi slopes and the dropout seed are the call's),
     the forward's launch plan, and the backward's launch plans by the incoming gradient's layout."""
 
-    def __init__(self, q, params: ScoreParams, deterministic: bool):
-        batch, seqlen_q, nheads, head_dim = q.shape
-        self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, head_dim), (batch, nheads, seqlen_q)
+    def __init__(self, q, v, params: ScoreParams, deterministic: bool):
+        batch, seqlen_q, nheads, _ = q.shape
+        self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, v.shape[-1]), (batch, nheads, seqlen_q)
         self.dtype, self.device = q.dtype, q.device
         self.params = params.with_tensors(None)
         self.deterministic = deterministic
@@ -239,8 +239,8 @@ class VarlenCall:
     forward plan gets them as they are (a plan reads only its tensors' data pointers, and the
     (1, total, h, d) views of the long way start where they do), the backward gets those views."""
 
-    def __init__(self, q, params: ScoreParams, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool):
-        self.out_shape, self.lse_shape = tuple(q.shape), (q.shape[1], q.shape[0])
+    def __init__(self, q, v, params: ScoreParams, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool):
+        self.out_shape, self.lse_shape = (*q.shape[:2], v.shape[-1]), (q.shape[1], q.shape[0])
         self.dtype, self.device = q.dtype, q.device
         self.params = params.with_tensors(None)
         self.maxima = max_seqlen_q, max_seqlen_k

@@ -44,19 +44,24 @@ def check_same_dtype_and_device(tensors: dict) -> None:
 
 
 def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> None:
-    """Dense layout: q (b, sq, h, d), k and v (b, sk, hk, d); packed (varlen): q (total_q, h, d),
-    k and v (total_k, hk, d)."""
+    """Dense layout: q (b, sq, h, d), k (b, sk, hk, d) and v (b, sk, hk, dv); packed (varlen):
+    q (total_q, h, d), k (total_k, hk, d) and v (total_k, hk, dv). v's head dim may differ from q's
+    and k's (the output takes it), each at most MAX_HEAD_DIM."""
     qn, kn, vn = names
     nheads, head_dim = q.shape[-2], q.shape[-1]
     batch = q.shape[0] if q.dim() == 4 else 1
     if q.dim() == 4 and k.shape[0] != batch:
         raise ValueError(f"{kn} has batch size {k.shape[0]} but {qn} has {batch}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"{vn} has shape {tuple(v.shape)}; expected the shape of {kn}, {tuple(k.shape)}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"{vn} has shape {tuple(v.shape)}; expected the shape of {kn}, {tuple(k.shape)}, in every "
+                         "dim but the last (v's head dim may differ)")
     if k.shape[-1] != head_dim:
         raise ValueError(f"{kn} has head dim {k.shape[-1]} but {qn} has {head_dim}: they must match")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} of {qn} is not supported: expected 1 <= head_dim <= {MAX_HEAD_DIM}")
+    if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {v.shape[-1]} of {vn} is not supported: expected 1 <= head_dim_v <= "
+                         f"{MAX_HEAD_DIM}")
     nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"{qn} has {nheads} heads and {kn} has {nheads_k}: the number of query heads "

@@ -173,6 +173,12 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def tile_head_dim(q, v) -> int:
+    """The head dim that picks a call's configs: the wider of Q's (and K's) and V's (with
+    head_dim_v != head_dim_qk both live in one program's registers)."""
+    return max(q.shape[-1], v.shape[-1])
+
+
 # Kernel names used in the tables.
 FWD = "fwd"          # forward: one program per (query block, head, batch)
 FWD_DECODE = "fwd_decode"  # the same kernel on few query rows per sequence (decoding): small query tiles

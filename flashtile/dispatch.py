@@ -19,7 +19,8 @@ from triton.runtime.errors import OutOfResources
 
 from . import autotune, checks
 from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_GLUON,
-                      GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config, get_config, overridden, padded_head_dim)
+                      GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config, get_config, overridden, padded_head_dim,
+                      tile_head_dim)
 from .kernels.hopper import status as hopper_status
 from .kernels.hopper.tma import qkv_unsupported, tma_aligned
 from .kernels.plans import PlanCache, tensor_signature
@@ -114,6 +115,9 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
                       "order; the portable backward sums every gradient in a fixed order")
     if not hopper_takes(kernel, params, q.shape[-1]):
         return None, _options_off_hopper(kernel, params, q.shape[-1])
+    if v.shape[-1] != q.shape[-1]:
+        return None, (f"v has head dim {v.shape[-1]} and q has {q.shape[-1]}: the Hopper kernels take one head dim "
+                      "for q, k and v (the portable ones take a value head dim of its own)")
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
@@ -186,8 +190,8 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
         return None
     if params.mods is not None:  # no plan is kept: the mods' tensors are bound into the launch
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
-        cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k,
-                         q.dtype)
+        cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
+                         max_seqlen_k, q.dtype)
         _within_resources(lambda c: launch_forward(q, k, v, out, lse, params, c, seqs), cfg)
         return None
     plan = _FORWARD_PLANS.get_or_make(_plan_key(params, seqs, q, k, v, out, lse),
@@ -276,7 +280,7 @@ class DecodeForward:
         heads = k.shape[2] if pack else q.shape[2]
         tile_rows = rows * (q.shape[2] // k.shape[2] if pack else 1)
         splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, q.device)
-        cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
         self.params = params
         if splits > 1:
             self.plan = SplitForward(q, k, v, out, lse, params, self.seqs, splits, cfg, pack_gqa=pack)
@@ -307,12 +311,12 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
 
         def plan_for(cfg):
             return GluonForward(q, k, v, out, lse, params, cfg, seqs)
-        cfg = _tuned(FWD_GLUON, q, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[FWD_GLUON],
+        cfg = _tuned(FWD_GLUON, q, v, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[FWD_GLUON],
                      lambda c: plan_for(c)(q, k, v, out, lse, params, seqs))
         return plan_for(cfg)
     kernel = forward_kernel(q, k, seqs)
-    cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, max_seqlen_k, q.dtype)
-    cfg = _tuned(kernel, q, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
+    cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
+    cfg = _tuned(kernel, q, v, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
                  lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
     return PortableForward(q, k, v, out, lse, params, cfg, seqs)
 
@@ -348,14 +352,14 @@ def _plan_key(params: ScoreParams, seqs: Optional[PackedSeqs], *tensors) -> Opti
     return key
 
 
-def _tuned(kernel: str, q, params: ScoreParams, seqlen_k: int, cfg: Config, candidates: dict,
+def _tuned(kernel: str, q, v, params: ScoreParams, seqlen_k: int, cfg: Config, candidates: dict,
            run: Callable[[Config], None]) -> Config:
     """``cfg`` (the table's), or with FLASHTILE_AUTOTUNE=1 the fastest of it and ``candidates``
     (per padded head dim) for this shape class, timed through ``run`` once and remembered on
     disk (flashtile/autotune.py). Never replaces a config given with override()."""
     if not autotune.enabled() or q.device.type != "cuda" or overridden(kernel):
         return cfg
-    head_dim = q.shape[-1]
+    head_dim = tile_head_dim(q, v)
     options = candidates.get(padded_head_dim(head_dim), {})
     options = list(options.values()) if isinstance(options, dict) else list(options)
     key = autotune.shape_key(kernel, q.device, arch_of(q.device), head_dim, params.causal, seqlen_k, q.dtype)
@@ -377,7 +381,8 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
         cfg = None
         if pack_gqa:
             kernel, _ = decode_kernel(q, k, params, seqs)
-            cfg = get_config(kernel, arch_of(q.device), q.shape[-1], params.causal, seqs.max_seqlen_k, q.dtype)
+            cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k,
+                             q.dtype)
         return SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
     plan = _SPLIT_FORWARD_PLANS.get_or_make(None if plan_key is None else (num_splits, pack_gqa, *plan_key), make)
     plan(q, k, v, out, lse, params, seqs)
@@ -411,7 +416,7 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
             plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
             return plan
     arch = arch_of(q.device)
-    head_dim = q.shape[3]
+    head_dim = tile_head_dim(q, v)
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
     pre_cfg = get_config(BWD_PREPROCESS, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
     gluon_cfg = gluon_config(BWD_GLUON, q, k, v, params, seqs, deterministic=deterministic)
@@ -451,7 +456,7 @@ def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gl
 
         def run_gluon(cfg, chunk=chunk, chunk_params=chunk_params):
             GluonBackward(*chunk, chunk_params, cfg, pre_cfg, seqs)(*chunk, chunk_params, seqs)
-        cfg = _tuned(BWD_GLUON, q, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[BWD_GLUON], run_gluon)
+        cfg = _tuned(BWD_GLUON, q, v, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[BWD_GLUON], run_gluon)
         plan = GluonBackward(*chunk, chunk_params, cfg, pre_cfg, seqs)
         plan(*chunk, chunk_params, seqs)
     if copy_back is not None:
@@ -462,7 +467,7 @@ def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gl
 def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg,
                        seqs: Optional[PackedSeqs]) -> PortableBackward:
     """attention_backward on the portable kernels; returns the plan."""
-    arch, head_dim = arch_of(q.device), q.shape[3]
+    arch, head_dim = arch_of(q.device), tile_head_dim(q, v)
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
     dkdv_cfg = get_config(BWD_DKDV, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
     dq_cfg = get_config(BWD_DQ, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
@@ -484,9 +489,9 @@ def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
             grads = (dk, dv) if kernel == BWD_DKDV else (dq,)
             portable_bwd_call(kernel, q, k, v, dout, delta, grads, params, cfg, seqs)(*tensors, *grads)
         if k.shape[1] > 0:
-            dkdv_cfg = _tuned(BWD_DKDV, q, params, max_seqlen_k, dkdv_cfg, PORTABLE_CANDIDATES[BWD_DKDV],
+            dkdv_cfg = _tuned(BWD_DKDV, q, v, params, max_seqlen_k, dkdv_cfg, PORTABLE_CANDIDATES[BWD_DKDV],
                               lambda c: time_config(BWD_DKDV, c))
-        dq_cfg = _tuned(BWD_DQ, q, params, max_seqlen_k, dq_cfg, PORTABLE_CANDIDATES[BWD_DQ],
+        dq_cfg = _tuned(BWD_DQ, q, v, params, max_seqlen_k, dq_cfg, PORTABLE_CANDIDATES[BWD_DQ],
                         lambda c: time_config(BWD_DQ, c))
     def run(dkdv_cfg, dq_cfg):
         plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
@@ -614,7 +619,7 @@ class KVCacheStep:
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
         params = self.params.with_tensors(alibi_slopes)
-        out = self.empty(q.shape, q.dtype, q.device)
+        out = self.empty((*q.shape[:3], v_cache.shape[-1]), q.dtype, q.device)  # v's head dim
         lse = self.empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
         # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
         seqs = PackedSeqs(None, None, self.rows, self.capacity, seqused_k=seqlens_k,

@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from . import autotune, checks, runtime
-from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config
+from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config, tile_head_dim
 from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision
 from .mods import call_mods
 from .mods import given as mods_given
@@ -181,14 +181,14 @@ def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
     decode = decode_route(q, k, params, seqs)
     if decode is not None:
-        cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, q.shape[-1], params.causal, max_seqlen_k,
-                         q.dtype)
+        cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, tile_head_dim(q, v), params.causal,
+                         max_seqlen_k, q.dtype)
         return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, decode)
     gluon_cfg, reason = gluon_decision(FWD_GLUON, q, k, v, params, seqs, device_capability=hypothetical_capability,
                                        warn=False)
     if gluon_cfg is not None:
         return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], gluon_cfg, reason)
-    cfg = get_config(forward_kernel(q, k, seqs), arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    cfg = get_config(forward_kernel(q, k, seqs), arch, tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
     if hypothetical_capability is None and q.device.type != "cuda":
         reason = _not_cuda_reason(reason)
     return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, reason)
@@ -201,7 +201,7 @@ def _backward_choice(q, k, v, params, seqs, deterministic: bool, arch: str, hypo
     if gluon_cfg is not None:
         return PathChoice(HOPPER, _BACKWARD_KERNELS[HOPPER], gluon_cfg, reason)
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
-    configs = tuple(get_config(kernel, arch, q.shape[-1], params.causal, max_seqlen_k, q.dtype)
+    configs = tuple(get_config(kernel, arch, tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
                     for kernel in (BWD_DKDV, BWD_DQ))
     if hypothetical_capability is None and q.device.type != "cuda":
         reason = _not_cuda_reason(reason)

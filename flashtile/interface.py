@@ -34,7 +34,7 @@ def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softc
     params = resolve_options(q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                              deterministic=deterministic, return_attn_probs=return_attn_probs)
     if call_key is not None and call_plans.may_keep(q.device):
-        call = call_plans.DENSE_CALLS.put(call_key, call_plans.DenseCall(q, params, bool(deterministic)))
+        call = call_plans.DENSE_CALLS.put(call_key, call_plans.DenseCall(q, v, params, bool(deterministic)))
         return call(q, k, v, call.call_params(params.alibi_slopes, params.dropout_seed))
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)

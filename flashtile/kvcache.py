@@ -44,8 +44,8 @@ def _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     checks.check_same_dtype_and_device(tensors)
     checks.check_qkv_shapes(q[0], k_cache[0], v_cache[0], names=("q", "k_cache", "v_cache"))
     if k is not None:
-        expected = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
-        for name, t in (("k", k), ("v", v)):
+        for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            expected = (batch, k.shape[1]) + tuple(cache.shape[2:])
             if tuple(t.shape) != expected:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (batch, seqlen_new, nheads_k, headdim) "
                                  f"= {expected}")

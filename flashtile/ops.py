@@ -70,15 +70,15 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 @torch.library.custom_op("flashtile::fwd", mutates_args=())
 def fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optional[Tensor],
         dropout_seed: Optional[Tensor], floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
-    """out (b, sq, h, d) like q, lse (b, h, sq) float32. ints[2] (deterministic) is for the
+    """out (b, sq, h, dv) (v's head dim), lse (b, h, sq) float32. ints[2] (deterministic) is for the
     backward (the autograd formula reads it from here)."""
     return _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints)
 
 
 def _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints, mods=None):
     q, k, v = _unpack(q, k, v)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = empty((batch, seqlen_q, nheads, head_dim), q.dtype, q.device)
+    batch, seqlen_q, nheads, _ = q.shape
+    out = empty((batch, seqlen_q, nheads, v.shape[-1]), q.dtype, q.device)
     lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
     params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]).with_mods(mods)
     attention_forward(q, k, v, out, lse, params)
@@ -87,9 +87,10 @@ def _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints, mods=None):
 
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, dropout_seed, floats, ints):
-    batch, seqlen_q, nheads, head_dim = _unpack(q, k, v)[0].shape
-    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
-                                                                         dtype=torch.float32)
+    q, _, v = _unpack(q, k, v)
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty((batch, nheads, seqlen_q),
+                                                                            dtype=torch.float32)
 
 
 @torch.library.custom_op("flashtile::bwd", mutates_args=())
@@ -195,9 +196,9 @@ def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
         checks.validate_varlen_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                         seqused_k, block_table)
     seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
-    total_q, nheads, head_dim = q.shape
+    total_q, nheads, _ = q.shape
     # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
-    out = _zero_or_empty((total_q, nheads, head_dim), q.dtype, q.device, seqused_q is not None)
+    out = _zero_or_empty((total_q, nheads, v.shape[-1]), q.dtype, q.device, seqused_q is not None)
     lse = (torch.full((nheads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
            if seqused_q is not None else empty((nheads, total_q), torch.float32, q.device))
     # The kernels see a packed batch as (1, total, h, d) views.
@@ -211,8 +212,9 @@ def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
       ints):
-    total_q, nheads, head_dim = _unpack(q, k, v)[0].shape
-    return q.new_empty((total_q, nheads, head_dim)), q.new_empty((nheads, total_q), dtype=torch.float32)
+    q, _, v = _unpack(q, k, v)
+    total_q, nheads, _ = q.shape
+    return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashtile::varlen_bwd", mutates_args=())
@@ -472,9 +474,9 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
 
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
-                                                                         dtype=torch.float32)
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty((batch, seqlen_q, nheads, v_cache.shape[-1])), q.new_empty((batch, nheads, seqlen_q),
+                                                                                  dtype=torch.float32)
 
 
 def kvcache_attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],

@@ -82,9 +82,10 @@ def call_errors(fn, q, k, v, *, backward: bool = True, reference=attention_naive
     probabilities (dropped entries are negated). Returns ``(errors, lse, reference_lse)``, errors as
     :func:`reference_errors` gives them; raises AssertionError on a wrong output shape or dtype."""
     out, lse, probs = fn(q, k, v, return_attn_probs=True, **options)
-    if out.shape != q.shape or out.dtype != q.dtype:
+    expected = (*q.shape[:-1], v.shape[-1])  # the output takes v's head dim
+    if tuple(out.shape) != expected or out.dtype != q.dtype:
         raise AssertionError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected "
-                             f"{tuple(q.shape)}, {q.dtype}")
+                             f"{expected}, {q.dtype}")
     dropout_mask = probs >= 0 if options.get("dropout_p", 0.0) > 0 else None
     dout = grads = None
     if backward:

@@ -57,7 +57,7 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                              batch=cu_seqlens_q.shape[0] - 1, deterministic=deterministic,
                              return_attn_probs=return_attn_probs)
     if call_key is not None and call_plans.may_keep(q.device):
-        call = call_plans.VARLEN_CALLS.put(call_key, call_plans.VarlenCall(q, params, max_seqlen_q, max_seqlen_k,
+        call = call_plans.VARLEN_CALLS.put(call_key, call_plans.VarlenCall(q, v, params, max_seqlen_q, max_seqlen_k,
                                                                            bool(deterministic)))
         return call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
                     call.call_params(params.alibi_slopes, params.dropout_seed))

@@ -107,6 +107,22 @@ def test_opcheck_varlen():
                                                    None, *PLAIN, ints))
 
 
+def test_opcheck_head_dim_v():
+    """v with a head dim of its own: the fake implementations give the output v's head dim."""
+    q, k, _ = make_qkv(2, SEQLEN, SEQLEN - 3, 2, 1, HEAD_DIM, torch.float32)
+    v = randn(2, SEQLEN - 3, 1, HEAD_DIM + 8, dtype=torch.float32, requires_grad=True)
+    torch.library.opcheck(OPS.fwd.default, (q, k, v, *PLAIN, CAUSAL))
+    with torch.no_grad():
+        out, lse = OPS.fwd(q, k, v, *PLAIN, CAUSAL)
+    assert out.shape[-1] == HEAD_DIM + 8
+    torch.library.opcheck(OPS.bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                                            *PLAIN, CAUSAL))
+    cu = torch.tensor([0, 5, SEQLEN], dtype=torch.int32, device=DEVICE)
+    args = (q[0], k[0, :SEQLEN - 3], v[0, :SEQLEN - 3], cu, torch.tensor([0, 4, SEQLEN - 3], dtype=torch.int32,
+                                                                           device=DEVICE), None, None, None)
+    torch.library.opcheck(OPS.varlen_fwd.default, (*args, *PLAIN, [SEQLEN - 5, SEQLEN - 7, *CAUSAL]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Eager calls: the ops' bodies in a plain autograd.Function (less host time), same results
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +260,23 @@ def test_compile_flash_attn_varlen_func(dtype):
     ref_grads = _grads(ref, (q, k, v), dout)
     torch.testing.assert_close(out, ref, **_tol(dtype))
     for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **_tol(dtype))
+
+
+def test_compile_head_dim_v():
+    dtype = DTYPES[0]
+    q, k, _ = make_qkv(2, SEQLEN, SEQLEN, 2, 1, HEAD_DIM, dtype)
+    v = randn(2, SEQLEN, 1, HEAD_DIM // 2, dtype=dtype, requires_grad=True)
+
+    def attend(q, k, v):
+        return flash_attn_func(q, k * 0.5, v, causal=True) * 2
+
+    out = _run_twice(_compiled(attend), q, k, v)
+    dout = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), dout)
+    ref = attend(q, k, v)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    for g, r in zip(grads, _grads(ref, (q, k, v), dout)):
         torch.testing.assert_close(g, r, **_tol(dtype))
 
 

@@ -70,10 +70,11 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base, stride_qs, stride_dos, b, h,
-                       row_start, row_end, cols, offs_m, offs_d,
+                       row_start, row_end, cols, offs_m, offs_d, offs_dv,
                        seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
                        window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                        APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr,
@@ -96,7 +97,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_base, do_base, lse_log2_base, delta_base,
             start_m = listed_tile_start(block_list, step, MASK_BLOCK_M, BLOCK_M)
         rows = start_m + offs_m
         q = load_tile(q_base, rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, APPLY_MASK)
-        do = load_tile(do_base, rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        do = load_tile(do_base, rows, offs_dv, stride_dos, seqlen_q, HEAD_DIM_V, BLOCK_DV, APPLY_MASK)
         if APPLY_MASK:
             lse_log2 = tl.load(lse_log2_base + rows, mask=rows < seqlen_q, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < seqlen_q, other=0.0)
@@ -156,8 +157,11 @@ def attn_bwd_dkdv_kernel(
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_BWD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
     ScoreAux=None, MaskAux=None, BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
-    LOOP_IN_BOUNDS: tl.constexpr = False,
+    LOOP_IN_BOUNDS: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):
+    # V's, dO's and dV's head dim and tile width, when they differ from Q's and K's (None: the same).
+    V_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    V_BLOCK_D: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     start_n = tl.program_id(0) * BLOCK_N
     h_kv = tl.program_id(1)
     b = tl.program_id(2)
@@ -173,12 +177,13 @@ def attn_bwd_dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, V_BLOCK_D)
     k = load_tile(K + b.to(tl.int64) * stride_kb + k_start * stride_ks + h_kv.to(tl.int64) * stride_kh,
                   cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, True)
     v = load_tile(V + b.to(tl.int64) * stride_vb + k_start * stride_vs + h_kv.to(tl.int64) * stride_vh,
-                  cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, True)
+                  cols, offs_dv, stride_vs, seqlen_k, V_DIM, V_BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, V_BLOCK_D], dtype=tl.float32)
 
     # Query rows that see key block [start_n, start_n + BLOCK_N): the band seen from
     # the keys' side (diag negated, left and right swapped).
@@ -197,57 +202,61 @@ def attn_bwd_dkdv_kernel(
         alibi_slope_log2 = load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI)
         if BlockLists is None:
             dk, dv = _dkdv_query_blocks(
-                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-                b, h, lo, full_lo, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos, b, h,
+                lo, full_lo, cols, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                 alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
-            dk, dv = _dkdv_query_blocks(
-                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-                b, h, full_lo, full_hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
-                alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                HEAD_DIM, BLOCK_D, BLOCK_M, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
                 LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
             dk, dv = _dkdv_query_blocks(
-                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-                b, h, full_hi, hi, cols, offs_m, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos, b, h,
+                full_lo, full_hi, cols, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                 alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
+                HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_M, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
+                LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos, b, h,
+                full_hi, hi, cols, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
+                HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
+                LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         else:
             # The block mask's lists seen from the keys (query blocks per key block): partial, then full.
             count, indices, full_count, full_indices = BlockLists
             list_row = b * stride_lists_b + h * stride_lists_h + start_n // MASK_BLOCK_N
             dk, dv = _dkdv_query_blocks(
-                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-                b, h, 0, tl.load(count + list_row) * (MASK_BLOCK_M // BLOCK_M), cols, offs_m, offs_d, seqlen_q,
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos, b, h, 0,
+                tl.load(count + list_row) * (MASK_BLOCK_M // BLOCK_M), cols, offs_m, offs_d, offs_dv, seqlen_q,
                 seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right, dropout_seed,
-                dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
+                dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_M, True, HAS_LEFT,
+                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD,
+                ScoreAux, MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M,
+                LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
             dk, dv = _dkdv_query_blocks(
-                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos,
-                b, h, 0, tl.load(full_count + list_row) * (MASK_BLOCK_M // BLOCK_M), cols, offs_m, offs_d, seqlen_q,
+                dk, dv, k, v, q_base, do_base, LseLog2 + row_offset, Delta + row_offset, stride_qs, stride_dos, b, h, 0,
+                tl.load(full_count + list_row) * (MASK_BLOCK_M // BLOCK_M), cols, offs_m, offs_d, offs_dv, seqlen_q,
                 seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right, dropout_seed,
-                dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, FULL_TILES_MASKED, HAS_LEFT,
-                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, None,
-                ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M,
+                dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_M,
+                FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD,
+                SCORE_MOD_BWD, None, ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_M,
                 LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
 
     dk = dk * softmax_scale
     store_tile(DK + b.to(tl.int64) * stride_dkb + k_start * stride_dks + h_kv.to(tl.int64) * stride_dkh,
                dk.to(DK.dtype.element_ty), cols, offs_d, stride_dks, seqlen_k, HEAD_DIM, BLOCK_D)
     store_tile(DV + b.to(tl.int64) * stride_dvb + k_start * stride_dvs + h_kv.to(tl.int64) * stride_dvh,
-               dv.to(DV.dtype.element_ty), cols, offs_d, stride_dvs, seqlen_k, HEAD_DIM, BLOCK_D)
+               dv.to(DV.dtype.element_ty), cols, offs_dv, stride_dvs, seqlen_k, V_DIM, V_BLOCK_D)
 
 
 @triton.jit
 def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h,
-                   col_start, col_end, rows, offs_n, offs_d,
+                   col_start, col_end, rows, offs_n, offs_d, offs_dv,
                    seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
                    window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_N: tl.constexpr,
                    APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr,
@@ -265,7 +274,7 @@ def _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride
             start_n = listed_tile_start(block_list, step, MASK_BLOCK_N, BLOCK_N)
         cols = start_n + offs_n
         k = load_tile(k_base, cols, offs_d, stride_ks, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
-        v = load_tile(v_base, cols, offs_d, stride_vs, seqlen_k, HEAD_DIM, BLOCK_D, APPLY_MASK)
+        v = load_tile(v_base, cols, offs_dv, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_DV, APPLY_MASK)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, t = scores_log2(qk, rows, cols, diag, qk_scale, softcap_log2, alibi_slope_log2,
                            HAS_SOFTCAP, HAS_ALIBI)
@@ -312,8 +321,11 @@ def attn_bwd_dq_kernel(
     SCORE_MOD: tl.constexpr = None, SCORE_MOD_BWD: tl.constexpr = None, MASK_MOD: tl.constexpr = None,
     ScoreAux=None, MaskAux=None, BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
-    LOOP_IN_BOUNDS: tl.constexpr = False,
+    LOOP_IN_BOUNDS: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):
+    # V's, dO's and dV's head dim and tile width, when they differ from Q's and K's (None: the same).
+    V_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    V_BLOCK_D: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -330,10 +342,11 @@ def attn_bwd_dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, V_BLOCK_D)
     q = load_tile(Q + b.to(tl.int64) * stride_qb + q_start * stride_qs + h.to(tl.int64) * stride_qh,
                   rows, offs_d, stride_qs, seqlen_q, HEAD_DIM, BLOCK_D, True)
     do = load_tile(DOut + b.to(tl.int64) * stride_dob + q_start * stride_dos + h.to(tl.int64) * stride_doh,
-                   rows, offs_d, stride_dos, seqlen_q, HEAD_DIM, BLOCK_D, True)
+                   rows, offs_dv, stride_dos, seqlen_q, V_DIM, V_BLOCK_D, True)
     row_offset = b.to(tl.int64) * stride_delta_b + h.to(tl.int64) * stride_delta_h + q_start
     lse_log2 = tl.load(LseLog2 + row_offset + rows, mask=rows < seqlen_q, other=float("inf"))
     delta = tl.load(Delta + row_offset + rows, mask=rows < seqlen_q, other=0.0)
@@ -350,40 +363,40 @@ def attn_bwd_dq_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if BlockLists is None:
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, lo, full_lo,
-                            rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                            rows, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                             alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
-                            dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                            MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
+                            dropout_p, HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD,
+                            ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, full_lo, full_hi,
-                            rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                            rows, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                             alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
-                            dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                            MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
+                            dropout_p, HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT,
+                            HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD,
+                            MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h, full_hi, hi,
-                            rows, offs_n, offs_d, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
+                            rows, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2,
                             alibi_slope_log2, window_left, window_right, dropout_seed, dropout_row, dropout_row_len,
-                            dropout_p, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux,
-                            MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
+                            dropout_p, HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD,
+                            ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
     else:
         # The block mask's partial key tiles, then its full ones (as the forward visits them).
         count, indices, full_count, full_indices = BlockLists
         list_row = b * stride_lists_b + h * stride_lists_h + start_m // MASK_BLOCK_M
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h,
-                            0, tl.load(count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
+                            0, tl.load(count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d, offs_dv,
                             seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left,
                             window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D,
-                            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-                            SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
+                            V_DIM, V_BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                            DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, ScoreAux, MaskAux,
                             indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         dq = _dq_key_blocks(dq, q, do, lse_log2, delta, k_base, v_base, stride_ks, stride_vs, b, h,
                             0, tl.load(full_count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
-                            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left,
+                            offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left,
                             window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p, HEAD_DIM, BLOCK_D,
-                            BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                            DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, None, ScoreAux, MaskAux,
+                            V_DIM, V_BLOCK_D, BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                            HAS_DROPOUT, DOT_PRECISION, SCORE_MOD, SCORE_MOD_BWD, None, ScoreAux, MaskAux,
                             full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
                             LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
     dq = dq * softmax_scale

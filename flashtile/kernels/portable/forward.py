@@ -22,10 +22,11 @@ def load_alibi_slope_log2(AlibiSlopes, b, h, stride_alibi_b, HAS_ALIBI: tl.const
 
 @triton.jit
 def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs,
-                    col_start, col_end, rows, offs_n, offs_d,
+                    col_start, col_end, rows, offs_n, offs_d, offs_dv,
                     seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2,
                     window_left, window_right, dropout_seed, dropout_row, dropout_row_len, dropout_p,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
                     APPLY_MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, SCALE_IN_EXP2: tl.constexpr,
@@ -82,8 +83,8 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, strid
             # lse is of the undropped scores; only the p @ v product sees the mask.
             keep = dropout_keep(dropout_seed, rows[:, None], cols[None, :], dropout_row, dropout_row_len, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = load_kv_rows(v_src, b, h_kv, start_n, cols, offs_d, stride_vs, seqlen_k, BlockTable, stride_bt,
-                         page_stride_v, num_pages, key_shift, HEAD_DIM, BLOCK_D, APPLY_MASK, USE_TMA, PAGE_SIZE)
+        v = load_kv_rows(v_src, b, h_kv, start_n, cols, offs_dv, stride_vs, seqlen_k, BlockTable, stride_bt,
+                         page_stride_v, num_pages, key_shift, HEAD_DIM_V, BLOCK_DV, APPLY_MASK, USE_TMA, PAGE_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -111,7 +112,7 @@ def attn_fwd_kernel(
     SCORE_MOD: tl.constexpr = None, MASK_MOD: tl.constexpr = None, ScoreAux=None, MaskAux=None,
     BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
-    LOOP_IN_BOUNDS: tl.constexpr = False,
+    LOOP_IN_BOUNDS: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
@@ -132,7 +133,10 @@ def attn_fwd_kernel(
     blocks of MASK_BLOCK_N keys; a row of counts lies at b * stride_lists_b + h * stride_lists_h,
     its lists list_width apart. BLOCK_M and BLOCK_N divide the mask's blocks. Full blocks need no
     element mask (the host folded the band and the sequence ends into the lists) unless
-    FULL_TILES_MASKED."""
+    FULL_TILES_MASKED. HEAD_DIM_V / BLOCK_DV: V's and Out's head dim and its tile width, when it differs
+    from Q's and K's (None: the same)."""
+    V_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    V_BLOCK_D: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     split = 0
     pid_m = tl.program_id(0)
     if SPLIT_KV:
@@ -182,6 +186,7 @@ def attn_fwd_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, V_BLOCK_D)
     if PACK_GQA:
         # Query positions and heads of the tile's rows; positions drive the masks from here on.
         row_heads = (h_kv * head_group + rows % head_group).to(tl.int64)
@@ -204,7 +209,7 @@ def attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_BLOCK_D], dtype=tl.float32)
 
     # Packed rows span query positions start_q .. at most start_q + BLOCK_M - 1: a superset, so the
     # blocks it calls unmasked are unmasked for every row and the rest get element masks.
@@ -222,26 +227,26 @@ def attn_fwd_kernel(
         # blocks on the right.
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, lo, full_lo, rows, offs_n, offs_d,
-            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+            HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
             SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, full_lo, full_hi, rows, offs_n, offs_d,
-            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+            HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, MASK_MOD is not None, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
             SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs, full_hi, hi, rows, offs_n, offs_d,
-            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
+            HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, WARP_SPECIALIZE,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
             SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
     else:
@@ -252,20 +257,20 @@ def attn_fwd_kernel(
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs,
             0, tl.load(count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
-            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
+            HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
             SCORE_MOD, MASK_MOD, ScoreAux, MaskAux, indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
             LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, stride_vs,
             0, tl.load(full_count + list_row) * (MASK_BLOCK_N // BLOCK_N), rows, offs_n, offs_d,
-            seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            offs_dv, seqlen_q, seqlen_k, diag, qk_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_seed, dropout_row, dropout_row_len, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
+            HEAD_DIM, BLOCK_D, V_DIM, V_BLOCK_D, BLOCK_N, FULL_TILES_MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, SCALE_IN_EXP2, USE_TMA, False,
             BlockTable, stride_bt, stride_kb, stride_vb, num_pages, key_shift, PAGE_SIZE,
             SCORE_MOD, None, ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
             LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
@@ -287,14 +292,14 @@ def attn_fwd_kernel(
         if SPLIT_KV:
             o_base += split.to(tl.int64) * split_stride_o
         o_offsets = rows.to(tl.int64) * stride_os + row_heads * stride_oh
-        tl.store(o_base + o_offsets[:, None] + offs_d[None, :], out,
-                 mask=in_tile[:, None] & (offs_d[None, :] < HEAD_DIM))
+        tl.store(o_base + o_offsets[:, None] + offs_dv[None, :], out,
+                 mask=in_tile[:, None] & (offs_dv[None, :] < V_DIM))
         lse_ptrs = (Lse + b.to(tl.int64) * stride_lse_b + row_heads * stride_lse_h
                     + (q_start + rows) * stride_lse_r)
         lse_mask = in_tile
     else:
-        store_rows(o_dst, out, b, h, start_m, rows, offs_d, stride_os, seqlen_q,
-                   HEAD_DIM, BLOCK_D, USE_TMA)
+        store_rows(o_dst, out, b, h, start_m, rows, offs_dv, stride_os, seqlen_q,
+                   V_DIM, V_BLOCK_D, USE_TMA)
         lse_ptrs = (Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h
                     + (q_start + rows) * stride_lse_r)
         lse_mask = rows < seqlen_q

@@ -51,8 +51,12 @@ def kvcache_update_kernel(
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
     stride_cos, stride_bt, seqlen_q, seqlen_new, nheads, nheads_k, page_size, num_pages, seq_pages,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY_HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, QUERY_PER_STEP: tl.constexpr,
+    INTERLEAVED: tl.constexpr, QUERY_PER_STEP: tl.constexpr, HEAD_DIM_V: tl.constexpr = None,
+    BLOCK_DV: tl.constexpr = None,
 ):
+    # V's head dim and tile width, when it differs from K's (None: the same).
+    V_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    V_BLOCK_D: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -68,9 +72,9 @@ def kvcache_update_kernel(
         k_dst = KCache + page * stride_kcp + row * stride_kcs + h * stride_kch
         _rotate_row(k_src, k_dst, Cos, Sin, stride_cos, position, HEAD_DIM, BLOCK_D, ROTARY_HALF, BLOCK_HALF,
                     INTERLEAVED)
-        offs_d = tl.arange(0, BLOCK_D)
-        v = tl.load(V + b.to(tl.int64) * stride_vb + t * stride_vs + h * stride_vh + offs_d, mask=offs_d < HEAD_DIM)
-        tl.store(VCache + page * stride_vcp + row * stride_vcs + h * stride_vch + offs_d, v, mask=offs_d < HEAD_DIM)
+        offs_dv = tl.arange(0, V_BLOCK_D)
+        v = tl.load(V + b.to(tl.int64) * stride_vb + t * stride_vs + h * stride_vh + offs_dv, mask=offs_dv < V_DIM)
+        tl.store(VCache + page * stride_vcp + row * stride_vcs + h * stride_vch + offs_dv, v, mask=offs_dv < V_DIM)
     if ROTARY_HALF > 0:  # without rotary the queries are used as they are
         if (t < seqlen_q) & (h < nheads):
             if QUERY_PER_STEP:

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from ... import triton_compat
-from ...configs import BWD_DKDV, BWD_DQ, DECODE_MAX_ROWS, FWD, FWD_DECODE, get_config, padded_head_dim
+from ...configs import BWD_DKDV, BWD_DQ, DECODE_MAX_ROWS, FWD, FWD_DECODE, get_config, padded_head_dim, tile_head_dim
 from ...options import PackedSeqs, ScoreParams, grid_lengths
 from ...runtime import arch_of, empty
 from ..hopper.tma import TileDescriptorTemplate, tma_aligned
@@ -83,6 +83,14 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor, seqs: Optional[PackedSeqs] = N
                 HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim))
 
 
+def _value_dim_args(q: torch.Tensor, v: torch.Tensor) -> dict:
+    """HEAD_DIM_V / BLOCK_DV where V's head dim (and the output's) differs from Q's and K's; none
+    otherwise (the kernels then use Q's, and compile as before)."""
+    if v.shape[-1] == q.shape[-1]:
+        return {}
+    return dict(HEAD_DIM_V=v.shape[-1], BLOCK_DV=padded_head_dim(v.shape[-1]))
+
+
 def fit_block_mask(cfg, params: ScoreParams):
     """``cfg`` with tiles that divide the blocks of the call's block mask (its tiles then lie inside
     one block each, whose class is theirs); unchanged without one. Both are powers of two."""
@@ -129,7 +137,8 @@ class PortableForward:
         self.tiles = None
         if use_tma:
             rows = (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m)
-            self.tiles = tuple(TileDescriptorTemplate(t, r, block_d) for t, r in zip((q, k, v, out), rows))
+            widths = (block_d, block_d, padded_head_dim(v.shape[-1]), padded_head_dim(v.shape[-1]))
+            self.tiles = tuple(TileDescriptorTemplate(t, r, w) for t, r, w in zip((q, k, v, out), rows, widths))
         num_splits, keys_per_split, split_stride_o, split_stride_lse = splits or (1, 0, 0, 0)
         grid = (triton.cdiv(max_seqlen_q, cfg.block_m) * num_splits, nheads, batch)
         pages = _page_args(k, seqs)
@@ -137,8 +146,8 @@ class PortableForward:
             attn_fwd_kernel, grid,
             (q, k, v, out, lse,
              *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse)),
-            dict(**_seq_args(seqs), **pages, **_shape_args(q, k, seqs), **params.kernel_args(q.dtype),
-                 KeyShift=None, num_splits=num_splits, keys_per_split=keys_per_split, split_stride_o=split_stride_o,
+            dict(**_seq_args(seqs), **pages, **_shape_args(q, k, seqs), **_value_dim_args(q, v),
+                 **params.kernel_args(q.dtype), KeyShift=None, num_splits=num_splits, keys_per_split=keys_per_split, split_stride_o=split_stride_o,
                  split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
                  SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
                  WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -169,7 +178,7 @@ class SplitForward:
                  pack_gqa: bool = False):
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
         if cfg is None:  # the dispatcher's choice (an explicit one: the C export's captures)
-            cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), q.shape[-1], params.causal,
+            cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
                              max_seqlen_k, q.dtype)
         split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
         keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
@@ -295,8 +304,8 @@ def portable_bwd_call(kernel: str, q, k, v, dout, delta, grads: tuple, params: S
         fn, grid,
         (q, k, v, dout, None, delta, *grads, *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v),
          *_bsh_strides(dout), *grad_strides, *_bh_strides(delta)),
-        dict(**_seq_args(seqs), softmax_scale=params.softmax_scale, **_shape_args(q, k), **params.kernel_args(q.dtype),
-             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        dict(**_seq_args(seqs), softmax_scale=params.softmax_scale, **_shape_args(q, k), **_value_dim_args(q, v),
+             **params.kernel_args(q.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
              **params.mod_args("dkdv" if kernel == BWD_DKDV else "dq", seqs is not None),
              **(_loop_in_bounds(params, seqs, max_seqlen_q, cfg.block_m) if kernel == BWD_DKDV else
                 _loop_in_bounds(params, seqs, max_seqlen_k, cfg.block_n)), **cfg.launch_kwargs()),
@@ -392,7 +401,7 @@ class KVCacheUpdate:
              block_table.shape[1]),
             dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), ROTARY_HALF=self.rotary_half,
                  BLOCK_HALF=max(triton.next_power_of_2(max(self.rotary_half, 1)), 1), INTERLEAVED=bool(interleaved),
-                 QUERY_PER_STEP=bool(query_per_step)),
+                 QUERY_PER_STEP=bool(query_per_step), **_value_dim_args(k_cache, v_cache)),
             slots=("Q", "QOut", "K", "V", "KCache", "VCache", "Cos", "Sin", "CacheSeqlens", "BlockTable",
                    "SeqUsedK"))
 
