@@ -115,9 +115,9 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
                       "order; the portable backward sums every gradient in a fixed order")
     if not hopper_takes(kernel, params, q.shape[-1]):
         return None, _options_off_hopper(kernel, params, q.shape[-1])
-    if v.shape[-1] != q.shape[-1]:
-        return None, (f"v has head dim {v.shape[-1]} and q has {q.shape[-1]}: the Hopper kernels take one head dim "
-                      "for q, k and v (the portable ones take a value head dim of its own)")
+    if v.shape[-1] != q.shape[-1] and kernel == BWD_GLUON:
+        return None, (f"v has head dim {v.shape[-1]} and q has {q.shape[-1]}: the Hopper backward takes one head dim "
+                      "for q, k and v (the portable one takes a value head dim of its own)")
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
@@ -138,7 +138,8 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         overrides = ", ".join(name for name in portable if overridden(name))
         return None, f"an explicit portable config is set (configs.override of {overrides})"
     _, _, max_seqlen_k = grid_lengths(q, k, seqs)
-    cfg = get_config(kernel, arch, q.shape[-1], *_table_mask(params, max_seqlen_k), q.dtype, varlen=seqs is not None)
+    cfg = get_config(kernel, arch, tile_head_dim(q, v), *_table_mask(params, max_seqlen_k), q.dtype,
+                     varlen=seqs is not None)
     direction = "forward" if kernel == FWD_GLUON else "backward"
     mask = "causal" if params.causal else "full"
     if params.window_left >= 0 or params.window_right not in (-1, 0):

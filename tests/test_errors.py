@@ -154,8 +154,8 @@ def test_varlen_bad_shapes():
     _raises(ValueError, "q must have 3 dimensions", flash_attn_varlen_func, q[None], k, v, cu, cu, n, n)
     k3, v3 = (t[:, :1].expand(-1, 3, -1) for t in (k, v))
     _raises(ValueError, "q has 4 heads and k has 3", flash_attn_varlen_func, q, k3, v3, cu, cu, n, n)
-    _raises(ValueError, "v has shape \\(16, 2, 16\\); expected the shape of k, \\(16, 2, 32\\)",
-            flash_attn_varlen_func, q, k, v[..., :16], cu, cu, n, n)
+    _raises(ValueError, "v has shape \\(16, 1, 32\\); expected the shape of k, \\(16, 2, 32\\), in every dim but",
+            flash_attn_varlen_func, q, k, v[:, :1], cu, cu, n, n)
     _raises(ValueError, "k must have 4 dimensions", flash_attn_varlen_func, q, k, v, cu, cu, n, n,
             block_table=torch.zeros(3, 1, dtype=torch.int32, device=DEVICE))
 

@@ -140,10 +140,15 @@ def test_with_sink_bias_and_score_mod():
 
 
 def test_hopper_path_says_why():
+    """The Hopper forward takes head_dim_v != head_dim_qk (dims it has tiles for), its backward does not."""
     q, k, v = make(1, 256, 256, 4, 4, (192, 128), DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, causal=True, device_capability=(9, 0))
-    for choice in (explanation.forward, explanation.backward):
-        assert choice.path == "portable" and "v has head dim 128 and q has 192" in choice.reason
+    assert explanation.forward.path == "hopper"
+    assert explanation.backward.path == "portable" and "v has head dim 128 and q has 192" in explanation.backward.reason
+    # A value head dim the Hopper kernels have no tiles for.
+    q, k, v = make(1, 256, 256, 4, 4, (128, 40), DTYPES[0], requires_grad=False)
+    explanation = flashtile.explain(q, k, v, device_capability=(9, 0))
+    assert explanation.forward.path == "portable" and "head dim 128 (v: 40)" in explanation.forward.reason
 
 
 def test_errors():

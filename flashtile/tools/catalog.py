@@ -350,8 +350,9 @@ def _attn_bias_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
 
 
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
-    """(layout, build) of the Hopper forward: a dense batch, a packed one, and a dense batch with
-    every score option at once (a sliding window, softcap, (b, h) ALiBi slopes)."""
+    """(layout, build) of the Hopper forward: a dense batch, a packed one, a dense batch with every
+    score option at once (a sliding window, softcap, (b, h) ALiBi slopes), and from head dim 128 a
+    dense batch whose values have half the head dim (head_dim_v != head_dim_qk)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
     out, lse = torch.empty_like(q), _empty(2, h, 1024, dtype=torch.float32)
@@ -359,9 +360,13 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     outv, lsev = torch.empty_like(qv), _empty(1, h, 3000, dtype=torch.float32)
     seqs = PackedSeqs(_ints([0, 1000, 3000]), _ints([0, 1000, 3000]), 2000, 2000)
     params, options = _params(causal), _option_params(causal, 2, h)
-    return [("dense", lambda: gluon_forward(q, q, q, out, lse, params, cfg)),
-            ("varlen", lambda: gluon_forward(qv, qv, qv, outv, lsev, params, cfg, seqs)),
-            ("options", lambda: gluon_forward(q, q, q, out, lse, options, cfg))]
+    builds = [("dense", lambda: gluon_forward(q, q, q, out, lse, params, cfg)),
+              ("varlen", lambda: gluon_forward(qv, qv, qv, outv, lsev, params, cfg, seqs)),
+              ("options", lambda: gluon_forward(q, q, q, out, lse, options, cfg))]
+    if d >= 128:
+        v_half = _empty(2, 1024, h, d // 2, dtype=dtype)
+        builds.append(("head-dim-v", lambda: gluon_forward(q, q, v_half, torch.empty_like(v_half), lse, params, cfg)))
+    return builds
 
 
 def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
@@ -388,8 +393,8 @@ def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
 
 def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     """(variant, part, build) of the portable forward: dense, packed, paged, a kv cache (paged,
-    left-padded), split-KV decoding and its combine, the kv-cache update, and dense with mods and
-    with an attn_bias."""
+    left-padded), split-KV decoding and its combine, the kv-cache update, dense with mods and
+    with an attn_bias, and dense with values of half the head dim."""
     from ..dispatch import attention_forward_split
     from ..kernels.portable.launch import launch_forward, launch_kvcache_update
 
@@ -428,6 +433,8 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
             splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True)),
         ("fwd/mods", "fwd", lambda: launch_forward(q, q, q, out, lse, _mod_params(causal, h, 512), cfg)),
         ("fwd/attn-bias", "fwd", lambda: launch_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 512), cfg)),
+        ("fwd/head-dim-v", "fwd", lambda: launch_forward(q, q, q[..., :d // 2].contiguous(), out[..., :d // 2],
+                                                         lse, params, cfg)),
     ]
     k1 = _empty(2, 1, max(h // 4, 1), d, dtype=dtype)
     cache = _empty(20, 32, max(h // 4, 1), d, dtype=dtype)
@@ -441,7 +448,8 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
 
 def portable_bwd_builds(d: int, causal: bool, dtype) -> list:
     """(layout, build) of the portable backward (preprocess, dK/dV, dQ), dense and packed, dense with
-    score and mask mods and a block mask, and dense with an attn_bias and its gradient."""
+    score and mask mods and a block mask, dense with an attn_bias and its gradient, and dense with
+    values of half the head dim."""
     h = 1024 // d
     params = _params(causal)
     pre, dkdv, dq = (table_config(kernel, ARCH, d, causal, 4096, dtype)
@@ -456,7 +464,13 @@ def portable_bwd_builds(d: int, causal: bool, dtype) -> list:
     return [("dense", lambda: portable_backward(*dense, params, pre, dkdv, dq)),
             ("varlen", lambda: portable_backward(*packed, params, pre, dkdv, dq, PackedSeqs(cu, cu, 600, 600))),
             ("mods", lambda: portable_backward(*dense, _mod_params(causal, h, 512), pre, dkdv, dq)),
-            ("attn-bias", lambda: portable_backward(*dense, _attn_bias_params(causal, h, 512), pre, dkdv, dq))]
+            ("attn-bias", lambda: portable_backward(*dense, _attn_bias_params(causal, h, 512), pre, dkdv, dq)),
+            ("head-dim-v", lambda: portable_backward(*_half_values(dense), params, pre, dkdv, dq))]
+
+
+def _half_values(tensors: list) -> list:
+    """portable_backward's (q, k, v, out, dout, lse, dq, dk, dv) with v, out, dout, dv of half the head dim."""
+    return [t[..., :t.shape[-1] // 2].contiguous() if i in (2, 3, 4, 8) else t for i, t in enumerate(tensors)]
 
 
 def catalog(head_dims: Sequence[int] = (64, 128, 256), dtype=torch.bfloat16, with_candidates: bool = False,
@@ -491,12 +505,12 @@ def _gluon_rows(family: str, kernel: str, builds, d: int, causal: bool, dtype, w
     for cfg, where in table_configs(kernel, d, causal).items():
         for layout, build in builds(d, cfg, causal, dtype):
             # The options' variant compiles each config the dense table picks.
-            lengths = where.get("dense" if layout == "options" else layout)
+            lengths = where.get("dense" if layout in ("options", "head-dim-v") else layout)
             if lengths is not None:
                 rows.append(Variant(family, d, causal, f"{layout} {lengths}", repr(cfg), build, part))
     if with_candidates:
         for name, cfg in candidates(kernel, d).items():
             for layout, build in builds(d, cfg, causal, dtype):
-                if layout != "options":
+                if layout not in ("options", "head-dim-v"):
                     rows.append(Variant(family, d, causal, f"{layout} {name}", name, build, part))
     return rows

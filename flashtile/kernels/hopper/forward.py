@@ -300,10 +300,11 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
     kv0: the ring position of block 0 (K/V blocks consumed by earlier tiles of a persistent CTA);
     turn0: the ping-pong issue points of those tiles."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    V_DIM: gl.constexpr = v_smem.shape[4]
     for j in range(j_start, j_end):
         stage, phase, prev = _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES)
         k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
-        v_prev = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        v_prev = v_smem.index(prev).reshape([BLOCK_N, V_DIM])
         if PINGPONG:
             # Issue point number j of this warpgroup in this tile (the prologue was number 0).
             mbarrier.wait(my_turn, (turn0 + j) & 1)
@@ -361,13 +362,13 @@ def _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn,
            PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """O += P_last V_last once every S of the tile has retired (a persistent CTA hands Q back first).
     (Issuing the next tile's S_0 together with this product did not pay: docs/experiments.md.)"""
-    HEAD_DIM: gl.constexpr = v_smem.shape[4]
+    V_DIM: gl.constexpr = v_smem.shape[4]
     if PERSISTENT:
         mbarrier.arrive(q_empty.index(CONSUMER))
     last = kv0 + n_total - 1
     stage = last % NUM_STAGES
     mbarrier.wait(v_ready.index(stage), (last // NUM_STAGES) & 1)
-    v_last = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_last = v_smem.index(stage).reshape([BLOCK_N, V_DIM])
     acc, l_i = _last_product(p_op, v_last, ones_t, acc, l_i, my_turn, other_turn, (turn0 + n_total) & 1, PINGPONG,
                              ROW_SUM_MMA)
     mbarrier.arrive(v_empty.index(stage))
@@ -419,7 +420,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
     K, V row, so the first half of the keys is a whole 64-row view)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     HALF: gl.constexpr = BLOCK_N // 2
-    gl.static_assert(HEAD_DIM == 64, "TRIM_DIAGONAL: head dim 64 only")
+    gl.static_assert((HEAD_DIM == 64) & (v_smem.shape[4] == 64), "TRIM_DIAGONAL: head dim 64 only")
     dtype: gl.constexpr = k_smem.dtype
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
@@ -481,23 +482,27 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
              HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
-             TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
+             TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, HEAD_DIM_V_TRUE: gl.constexpr):
     """One 64-row slice of a tile: key blocks [n_first, n_total), of which [n_free_lo, n_unmasked) need
     no mask (n_first and n_free_lo are 0 but for a window). kv0 / turn0 / q_phase: the K/V ring
     position, ping-pong issue points and tiles (mod 2) of the tiles a persistent CTA ran before this
     one (0 otherwise). score: the options' runtime values (_softmax_block).
     A persistent CTA hands Q back to the loader after the tile's last S and stages O in o_smem, so
-    the next tile's Q lands during this tile's last P V and its output store."""
+    the next tile's Q lands during this tile's last P V and its output store. V (and O) may be narrower
+    or wider than Q and K (head_dim_v != head_dim_qk: V_DIM, HEAD_DIM_V_TRUE); O is then staged in
+    o_smem, not in the Q buffer."""
     # HEAD_DIM: the tiles' width (a power of two); HEAD_DIM_TRUE: the tensors' (<= HEAD_DIM). TMA
     # zero-fills the columns past HEAD_DIM_TRUE on loads and clips them on stores, so S is exact and
     # O's columns past it come out zero; only the register store below has to leave them alone.
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    V_DIM: gl.constexpr = v_smem.shape[4]
+    O_APART: gl.constexpr = PERSISTENT or (V_DIM != HEAD_DIM)
     # Head dims 136..192 in 256-wide tiles: S skips the all-zero last 64 columns.
     SKIP_LAST_CHUNK: gl.constexpr = (HEAD_DIM == 256) & (HEAD_DIM_TRUE <= 192)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, V_DIM, 16])
     # P feeds wgmma as a register A operand; with matching M tiling this layout is the S
     # accumulator layout, so the conversion moves no data.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -537,7 +542,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         l_i = gl.zeros([64, 8], gl.float32, l_layout)
     else:
         l_i = gl.zeros([64], gl.float32, row_layout)
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([64, V_DIM], gl.float32, o_layout)
 
     if LOCAL:
         # A window's first block n_first is the ring's (and the issue points') number 0: shifting
@@ -648,25 +653,31 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         lse_ptrs = lse_ptr + head.to(gl.int64) * stride_lse_h + (q_start + rows)
         gl.store(lse_ptrs, lse, mask=rows < rows_end)
         if my_start + 64 <= rows_end:
-            # The whole box lies in this sequence: TMA store through the dead Q buffer.
-            q_op.store(out)
-            fence_async_shared()
-            tma_store(o_desc, [0, q_start + my_start, head, 0], q_buf)
+            # The whole box lies in this sequence: TMA store through the dead Q buffer (or O's own).
+            if O_APART:
+                o_buf = o_smem.index(CONSUMER)
+                o_buf.reshape([64, V_DIM]).store(out)
+                fence_async_shared()
+                tma_store(o_desc, [0, q_start + my_start, head, 0], o_buf)
+            else:
+                q_op.store(out)
+                fence_async_shared()
+                tma_store(o_desc, [0, q_start + my_start, head, 0], q_buf)
             tma.store_wait(0)
         else:
             # The sequence's last (ragged) rows: a TMA box would overwrite the next sequence's
             # rows, so store from registers with a row mask.
             o_rows = my_start + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_cols = gl.arange(0, V_DIM, layout=gl.SliceLayout(0, o_layout))
             # out has a TMA descriptor, so 16-byte strides: multiples of 8 elements. Spelled out
             # (x // 8 * 8) so the compiler can vectorize the stores.
             row_off = ((q_start + o_rows).to(gl.int64) * (stride_o_s // 8 * 8)
                        + head.to(gl.int64) * (stride_o_h // 8 * 8))
             o_ptrs = o_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
             keep = gl.expand_dims(o_rows < rows_end, 1)
-            if HEAD_DIM_TRUE < HEAD_DIM:
+            if HEAD_DIM_V_TRUE < V_DIM:
                 # Padded tiles: the columns past the head dim are the next head's.
-                keep = keep & gl.expand_dims(o_cols < HEAD_DIM_TRUE, 0)
+                keep = keep & gl.expand_dims(o_cols < HEAD_DIM_V_TRUE, 0)
             gl.store(o_ptrs, out, mask=keep)
     else:
         lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
@@ -677,9 +688,15 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             # under the next tile (the kernel waits for it before exiting).
             o_buf = o_smem.index(CONSUMER)
             tma.store_wait(0)
-            o_buf.reshape([64, HEAD_DIM]).store(out)
+            o_buf.reshape([64, V_DIM]).store(out)
             fence_async_shared()
             tma_store(o_desc, [batch, my_start, head, 0], o_buf)
+        elif O_APART:
+            o_buf = o_smem.index(CONSUMER)
+            o_buf.reshape([64, V_DIM]).store(out)
+            fence_async_shared()
+            tma_store(o_desc, [batch, my_start, head, 0], o_buf)
+            tma.store_wait(0)
         else:
             # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which
             # clips rows past seqlen_q.
@@ -698,7 +715,8 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
-              ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
+              ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr,
+              HEAD_DIM_V_TRUE: gl.constexpr):
     if PERSISTENT:
         kv0 = 0
         turn0 = 0
@@ -720,7 +738,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_first, n_free_lo,
                          n_unmasked, n_total, kv0, turn0, tile_iter & 1, reverse, score, CONSUMER, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, False, False, HEAD_DIM_TRUE, True,
-                         ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE)
+                         ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
                 n_blocks = n_total - n_first
                 kv0 += n_blocks
                 # A tile with key blocks has n_blocks + 1 issue points (its first S, then S_j with
@@ -743,14 +761,14 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                          qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first,
                          n_free_lo, n_unmasked, n_total, 0, 0, 0, False, score, CONSUMER, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, seqused_q is not None,
-                         HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE)
+                         HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked,
                      n_total, 0, 0, 0, False, score, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP,
                      ALIBI, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
-                     OWN_KEY_RANGE)
+                     OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -777,7 +795,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr = False,
                           OWN_KEY_RANGE: gl.constexpr = False, LOCAL: gl.constexpr = False,
                           SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, window_left=0, window_right=0,
-                          softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0):
+                          softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0,
+                          HEAD_DIM_V_TRUE: gl.constexpr = None):
+    # V's (and O's) head dim when it differs from Q's and K's (v_desc's and o_desc's boxes are its padded
+    # width); None: the same.
+    V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * 64
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -802,12 +824,16 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     if PERSISTENT:
         # O is staged apart from Q (the next tile's Q lands while this tile's O is stored), and each
         # consumer hands its Q buffer back through q_empty.
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.init(q_empty.index(c), count=1)
     else:
-        o_smem = q_smem
+        if v_desc.block_type.shape[3] != q_desc.block_type.shape[3]:
+            # O's tile is not Q's shape: staged in its own buffer.
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+        else:
+            o_smem = q_smem
         q_empty = q_ready
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
@@ -833,7 +859,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
@@ -847,14 +873,14 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
@@ -868,21 +894,21 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
@@ -897,28 +923,28 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,

@@ -27,7 +27,7 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
     """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
     ``options`` (ForwardPlan's): softcap, window_left / window_right, alibi_slopes, as flash_attn's.
 
-    Dense: q, out (b, sq, h, d); k, v (b, sk, hk, d); lse (b, h, sq) float32.
+    Dense: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out (b, sq, h, dv); lse (b, h, sq) float32.
     Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, out (1, total_q, h, d),
     k, v (1, total_k, hk, d), lse (h, total_q) float32; cu_seqlens_q / cu_seqlens_k int32 (batch + 1,)
     prefix sums; seqused_q / seqused_k optional int32 (batch,): sequence b uses only the first
@@ -160,11 +160,11 @@ class ForwardPlan:
 
         # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
         # the tensors, whose missing columns TMA reads as zeros and never writes.
-        block_d = padded_head_dim(head_dim)
+        block_d, head_dim_v = padded_head_dim(head_dim), v.shape[-1]
         self.q_tiles = DescriptorTemplate(q, ROWS_PER_CONSUMER, block_d)
-        self.o_tiles = DescriptorTemplate(out, ROWS_PER_CONSUMER, block_d)
+        self.o_tiles = DescriptorTemplate(out, ROWS_PER_CONSUMER, padded_head_dim(head_dim_v))
         self.k_tiles = DescriptorTemplate(k, cfg.block_n, block_d)
-        self.v_tiles = DescriptorTemplate(v, cfg.block_n, block_d)
+        self.v_tiles = DescriptorTemplate(v, cfg.block_n, padded_head_dim(head_dim_v))
         self.call = CompiledCall(
             gluon_attn_fwd_kernel, grid,
             (None, None, None, None, lse, *lse_strides, seqlen_q, seqlen_k, nheads, nheads // nheads_k, batch, group,
@@ -174,9 +174,11 @@ class ForwardPlan:
                  CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs, PINGPONG=cfg.pingpong,
                  CAUSAL=bool(causal), IS_VARLEN=varlen, HEAD_DIM_TRUE=head_dim, PERSISTENT=persistent,
                  ROW_SUM_MMA=cfg.row_sum_mma,
-                 TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and cfg.block_n == 128),
+                 TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and head_dim_v == head_dim
+                                    and cfg.block_n == 128),
                  OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
                  **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes),
+                 **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}),
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr", "alibi_slopes"))

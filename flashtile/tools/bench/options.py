@@ -20,8 +20,9 @@ option set of --sets:
   bias-full / bias-causal    an attn_bias of shape (1, nheads, seqlen, seqlen) shared by the batch, its
                              gradient too (causal: -inf above the diagonal in the bias, which SDPA's
                              efficient backend reads as its mask).
-TFLOP/s count the (query, key) pairs the options leave visible: 4 * b * h * d per pair, 3.5x that for
-forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain TFLOP/s of the same mask
+--headdim-v gives V (and the output) a head dim of its own (DeepSeek-style 192 / 128 with --headdims 192).
+TFLOP/s count the (query, key) pairs the options leave visible: 2 * b * h * (d + dv) per pair (4 * b * h * d
+when dv = d), 3.5x that for forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain TFLOP/s of the same mask
 class (causal-shaped sets against plain-causal, the others against plain-full), all in the same run;
 "ft/flex" over compiled FlexAttention with the same block mask and score_mod (the bias read from its
 tensor), "ft/sdpa-efficient" over SDPA's memory-efficient backend (bias sets). Every system's output
@@ -45,7 +46,8 @@ SETS = ("plain-causal", "plain-full", "window-causal", "window-both", "softcap-c
         "alibi-causal", "alibi-full", "window-softcap", "sink-causal", "sink-full", "mod-alibi-causal",
         "mod-relbias-causal", "mask-window", "mask-document", "bias-full", "bias-causal")
 ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod",
-           "sdpa-efficient": "SDPA's memory-efficient backend with the bias as attn_mask (the bias sets only)"}
+           "sdpa-efficient": "SDPA's memory-efficient backend with the bias as attn_mask (the bias sets only)",
+           "sdpa": "SDPA with PyTorch's own backend choice (cuDNN on Hopper; the plain sets only)"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
 SMOKE_DEFAULTS = {"headdims": [32], "seqlen": 64, "tokens": 64, "heads": 2, "window": 16, "dtype": "fp16"}
@@ -113,15 +115,16 @@ def visible_pairs(seqlen: int, options: dict) -> int:
 class Problem:
     """The inputs of one (head dim, option set) point, shared by every system."""
 
-    def __init__(self, batch, seqlen, nheads, nheads_k, headdim, options, dtype, device):
+    def __init__(self, batch, seqlen, nheads, nheads_k, headdim, options, dtype, device, headdim_v=None):
         import torch
 
         generator = torch.Generator(device=device).manual_seed(0)
         self.options, self.nheads, self.nheads_k = options, nheads, nheads_k
+        headdim_v = headdim_v or headdim
         self.q = torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=generator)
-        self.k, self.v = (torch.randn(batch, seqlen, nheads_k, headdim, device=device, dtype=dtype,
-                                      generator=generator) for _ in range(2))
-        self.dout = torch.randn(self.q.shape, device=device, dtype=dtype, generator=generator)
+        self.k = torch.randn(batch, seqlen, nheads_k, headdim, device=device, dtype=dtype, generator=generator)
+        self.v = torch.randn(batch, seqlen, nheads_k, headdim_v, device=device, dtype=dtype, generator=generator)
+        self.dout = torch.randn(batch, seqlen, nheads, headdim_v, device=device, dtype=dtype, generator=generator)
         # ALiBi slopes as ALiBi's paper sets them: 2^(-8 (h + 1) / nheads).
         self.slopes = (torch.exp2(-8.0 * (torch.arange(nheads, device=device) + 1) / nheads).float()
                        if options["alibi"] else None)
@@ -268,7 +271,27 @@ def sdpa_efficient_system(p: Problem):
     return attn
 
 
-SYSTEMS = {"flashtile": flashtile_system, "flex": flex_system, "sdpa-efficient": sdpa_efficient_system}
+def sdpa_system(p: Problem):
+    """SDPA as PyTorch picks its backend: the plain sets only (its causal mask is top-left aligned, which
+    is flash_attn's for these square problems)."""
+    import torch
+
+    o = p.options
+    if (o["window_size"] != (-1, -1) or o["softcap"] or o["alibi"] or o["sink"] or o["mod"] or o["mask"]
+            or o["bias"]):
+        raise ValueError("SDPA runs the plain sets here")
+    kwargs = {"enable_gqa": True} if p.nheads_k != p.nheads else {}
+
+    def attn(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), is_causal=o["causal"], **kwargs)
+        return out.transpose(1, 2)
+
+    return attn
+
+
+SYSTEMS = {"flashtile": flashtile_system, "flex": flex_system, "sdpa-efficient": sdpa_efficient_system,
+           "sdpa": sdpa_system}
 
 
 def reference(p: Problem, with_grads: bool) -> dict:
@@ -330,16 +353,16 @@ def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
     header = ["hdim", "heads", "set", "mode", *systems, "ft/plain", *(f"ft/{s}" for s in others), "ok"]
     by_key: dict = {}
     for r in records:
-        by_key.setdefault((r["headdim"], r["nheads"], r["nheads_k"], r["mode"]), {}).setdefault(r["set"], {})[
-            r["system"]] = r
+        by_key.setdefault((r["headdim"], r.get("headdim_v", r["headdim"]), r["nheads"], r["nheads_k"], r["mode"]),
+                          {}).setdefault(r["set"], {})[r["system"]] = r
     ratios: dict = {}
     rows = []
-    for (headdim, nheads, nheads_k, mode), sets in by_key.items():
+    for (headdim, headdim_v, nheads, nheads_k, mode), sets in by_key.items():
         for name in SETS:
             cells = sets.get(name)
             if cells is None:
                 continue
-            row = [str(headdim), str(nheads) if nheads == nheads_k else f"{nheads}/{nheads_k}", name, mode]
+            row = [str(headdim) if headdim_v == headdim else f"{headdim}/{headdim_v}", str(nheads) if nheads == nheads_k else f"{nheads}/{nheads_k}", name, mode]
             for system in systems:
                 r = cells.get(system)
                 if r is None or (r.get("skipped") and r.get("tflops") is None and r.get("rel_err") is None):
@@ -381,6 +404,7 @@ def draw_plot(records: list[dict], systems: list[str], title: str):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--headdims", type=size_list, default=None, help="head dims (default: 64,128)")
+    add("--headdim-v", type=int, default=None, help="V's head dim, when it differs from q's and k's (default: the same)")
     add("--seqlen", type=parse_size, default=None, help="queries and keys per sequence (default: 8k)")
     add("--tokens", type=parse_size, default=None, help="tokens per batch: batch = tokens // seqlen (default: 16k)")
     add("--heads", type=int, default=None, help="query heads (default: hidden // headdim)")
@@ -392,7 +416,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--modes", type=choice_list(MODES), default=["fwd"], help="fwd, fwd_bwd (default: fwd)")
     add("--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: bf16; fp16 when smoke)")
     add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
-        default=None, help="anchors timed in the same run: flex, sdpa-efficient; 'none' for flashtile alone "
+        default=None, help="anchors timed in the same run: flex, sdpa-efficient, sdpa; 'none' for flashtile alone "
                            "(default: both; none with --interpret-smoke)")
     add_common_arguments(parser)
 
@@ -419,7 +443,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         "bench": "options", "interpret_smoke": smoke, "anchors": {n: f"run ({ANCHORS[n]})" for n in args.anchors},
         "systems": systems, "dtype": args.dtype, "timing": not smoke, "tolerance": tolerance, "seqlen": args.seqlen,
         "batch": batch, "hidden": args.hidden, "heads": args.heads, "heads_k": args.heads_k, "window": args.window,
-        "softcap": args.softcap, "sets": args.sets, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms})
+        "softcap": args.softcap, "headdim_v": args.headdim_v, "sets": args.sets, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms})
     out_dir = check_out_dir(args.out or default_out_dir("options", meta["gpu"]))
     progress = Progress(len(args.headdims) * len(args.sets) * len(systems) * len(args.modes))
     where = meta["gpu"] or "CPU, TRITON_INTERPRET=1"
@@ -432,11 +456,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         nheads_k = args.heads_k or nheads
         for name in args.sets:
             options = option_set(name, args.window, args.softcap)
-            problem = Problem(batch, args.seqlen, nheads, nheads_k, headdim, options, dtype, device)
+            problem = Problem(batch, args.seqlen, nheads, nheads_k, headdim, options, dtype, device, args.headdim_v)
             ref = reference(problem, with_grads="fwd_bwd" in args.modes)
             pairs = visible_pairs(args.seqlen, options)
             for system in systems:
-                base = dict(system=system, headdim=headdim, nheads=nheads, nheads_k=nheads_k, set=name,
+                base = dict(system=system, headdim=headdim, headdim_v=args.headdim_v or headdim, nheads=nheads, nheads_k=nheads_k, set=name,
                             causal_shaped=causal_shaped(options), visible_pairs=pairs)
                 reason = None
                 try:
@@ -444,7 +468,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                     errors = check(system, attn, problem, ref)
                 except Exception as exc:  # a system that cannot run this set: reported, not fatal
                     attn, errors, reason = None, None, failure_reason(exc)
-                work = 4.0 * batch * nheads * headdim * pairs
+                work = 2.0 * batch * nheads * (headdim + (args.headdim_v or headdim)) * pairs
                 # The bias's gradient is asked for too: SDPA computes it only then.
                 bias = () if problem.bias is None else (problem.bias,)
                 for record in mode_records(base, args.modes, attn, errors, reason, tolerance, not smoke,
