@@ -22,7 +22,7 @@ from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_RO
                       GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config, get_config, overridden, padded_head_dim,
                       tile_head_dim)
 from .kernels.hopper import status as hopper_status
-from .kernels.hopper.tma import qkv_unsupported, tma_aligned
+from .kernels.hopper.tma import qkv_unsupported, tma_aligned, values_supported
 from .kernels.plans import PlanCache, tensor_signature
 from .kernels.plans import enabled as plans_enabled
 # attention_probs: an entry point of the dispatcher that has one path.
@@ -115,9 +115,10 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
                       "order; the portable backward sums every gradient in a fixed order")
     if not hopper_takes(kernel, params, q.shape[-1]):
         return None, _options_off_hopper(kernel, params, q.shape[-1])
-    if v.shape[-1] != q.shape[-1] and kernel == BWD_GLUON:
-        return None, (f"v has head dim {v.shape[-1]} and q has {q.shape[-1]}: the Hopper backward takes one head dim "
-                      "for q, k and v (the portable one takes a value head dim of its own)")
+    if kernel == BWD_GLUON and not values_supported(q.shape[-1], v.shape[-1]):
+        return None, (f"v has head dim {v.shape[-1]} and q has {q.shape[-1]}: the Hopper backward takes a value head "
+                      "dim of its own only with q, k head dims above 128 and v head dims of 65 or more (the portable "
+                      "one takes any)")
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
@@ -319,7 +320,27 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
     cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
     cfg = _tuned(kernel, q, v, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
                  lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
-    return PortableForward(q, k, v, out, lse, params, cfg, seqs)
+    return _FittedPlan(lambda c: PortableForward(q, k, v, out, lse, params, c, seqs), cfg)
+
+
+class _FittedPlan:
+    """A plan made from a config on its first call, shrunk until its kernels fit the GPU's shared
+    memory (_within_resources): the tables' tiles are sized for 16-bit inputs, and float32 ones
+    (or a wider value head dim) may need twice the room. Later calls run the plan that fitted."""
+
+    def __init__(self, make: Callable, cfg: Config):
+        self.make, self.cfg, self.plan = make, cfg, None
+
+    def __call__(self, *args):
+        if self.plan is not None:
+            return self.plan(*args)
+
+        def first(cfg):
+            plan = self.make(cfg)
+            plan(*args)
+            return plan
+        self.plan = _within_resources(first, self.cfg)
+        return None
 
 
 # Plans by call signature (kernels/plans.py): dense and packed calls of the forward, the split
@@ -498,15 +519,15 @@ def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
         plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
         return plan
-    if params.mods is not None:
-        return _within_resources(run, dkdv_cfg, dq_cfg)
-    return run(dkdv_cfg, dq_cfg)
+    # (The tables' tiles may not fit float32 inputs, nor a mod's own tiles: shrunk until they do.)
+    return _within_resources(run, dkdv_cfg, dq_cfg)
 
 
 def _within_resources(run: Callable, *cfgs: Config):
     """run(*cfgs), retried with shallower pipelines, then narrower tiles, while the kernels need more
-    shared memory than the GPU has: a call's mods may load tiles of their own (a bias gathered per
-    score, pipelined like K and V), which the tables' configs did not plan for. The first fit runs."""
+    shared memory than the GPU has: the tables' configs plan for 16-bit inputs without mods, and
+    float32 inputs or a call's mods (a bias gathered per score, pipelined like K and V) may need more.
+    The first fit runs."""
     error = None
     for fewer_stages, halvings in ((0, 0), (1, 0), (1, 1), (2, 1), (2, 2)):
         candidates = [dataclasses.replace(cfg, num_stages=max(cfg.num_stages - fewer_stages, 1),

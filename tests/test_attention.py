@@ -92,6 +92,16 @@ def test_window_outside_keys(dtype):
     check_against_reference(flash_attn_func, q, k, v, window_size=(0, 5))
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_wide_heads(head_dim, causal):
+    """float32 inputs at head dims 128 and 256: the config tables size tiles for 16-bit inputs, whose
+    pipelines need twice the shared memory in float32 (on sm90, more than the GPU has); the plans
+    shrink them until they fit."""
+    q, k, v = make_qkv(1, 150, 211, 2, 1, head_dim, torch.float32)
+    check_against_reference(flash_attn_func, q, k, v, causal=causal)
+
+
 def test_gluon_head_chunks_cover_whole_kv_groups():
     from flashtile.kernels.hopper.launch import GLUON_DQ_CHUNK_BYTES, gluon_head_chunks
 

@@ -15,7 +15,7 @@ from flashtile.reference import attention_naive, attention_varlen_naive
 from _cases import DEVICE, DTYPES, ON_GPU, check_against_reference, make_packed_qkv, make_qkv, randn
 
 # (head_dim_qk, head_dim_v): narrower and wider values, both not powers of two.
-DIMS = [(40, 24), (32, 72)] if not ON_GPU else [(192, 128), (128, 256), (96, 40), (256, 64), (64, 200)]
+DIMS = [(40, 24), (32, 72)] if not ON_GPU else [(192, 128), (128, 256), (96, 40), (256, 64), (64, 200), (256, 96)]
 SEQLENS = [(113, 203), (1, 37), (60, 37)] if not ON_GPU else [(1023, 1023), (113, 1500), (1, 4096), (1500, 113)]
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))]
 
@@ -95,7 +95,8 @@ def test_kvcache_appends_and_attends(paged, seqlen_q):
     (d, dv), dtype, batch, nheads, nheads_k, capacity, new = DIMS[0], DTYPES[0], 3, 4, 2, 96, 2
     q = randn(batch, seqlen_q, nheads, d, dtype=dtype)
     k_new, v_new = randn(batch, new, nheads_k, d, dtype=dtype), randn(batch, new, nheads_k, dv, dtype=dtype)
-    k_cache, v_cache = randn(batch, capacity, nheads_k, d, dtype=dtype), randn(batch, capacity, nheads_k, dv, dtype=dtype)
+    k_cache = randn(batch, capacity, nheads_k, d, dtype=dtype)
+    v_cache = randn(batch, capacity, nheads_k, dv, dtype=dtype)
     seqlens = torch.tensor([50, 7, 90], dtype=torch.int32, device=DEVICE)
     extra = {}
     k_pool, v_pool = k_cache.clone(), v_cache.clone()
@@ -140,11 +141,15 @@ def test_with_sink_bias_and_score_mod():
 
 
 def test_hopper_path_says_why():
-    """The Hopper forward takes head_dim_v != head_dim_qk (dims it has tiles for), its backward does not."""
+    """The Hopper forward takes head_dim_v != head_dim_qk at the head dims it has tiles for, the backward
+    with q, k head dims above 128 and v head dims above 64."""
     q, k, v = make(1, 256, 256, 4, 4, (192, 128), DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, causal=True, device_capability=(9, 0))
+    assert explanation.forward.path == "hopper" and explanation.backward.path == "hopper"
+    q, k, v = make(1, 256, 256, 4, 4, (128, 64), DTYPES[0], requires_grad=False)
+    explanation = flashtile.explain(q, k, v, causal=True, device_capability=(9, 0))
     assert explanation.forward.path == "hopper"
-    assert explanation.backward.path == "portable" and "v has head dim 128 and q has 192" in explanation.backward.reason
+    assert explanation.backward.path == "portable" and "v has head dim 64 and q has 128" in explanation.backward.reason
     # A value head dim the Hopper kernels have no tiles for.
     q, k, v = make(1, 256, 256, 4, 4, (128, 40), DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, device_capability=(9, 0))

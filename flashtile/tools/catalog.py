@@ -370,8 +370,9 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
 
 
 def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
-    """(layout, build) of the Hopper backward (GQA: half as many KV heads), dense and packed, and up to
-    head dim 128 a dense batch with every score option."""
+    """(layout, build) of the Hopper backward (GQA: half as many KV heads), dense and packed, up to
+    head dim 128 a dense batch with every score option, and at head dim 256 a dense batch whose
+    values have half the head dim."""
     h, hk = 2048 // d, 2048 // d // 2
     params = _params(causal)
     pre = table_config(BWD_PREPROCESS, ARCH, d, causal, 4096, dtype)
@@ -388,6 +389,8 @@ def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     if d <= 128:
         options = _option_params(causal, 2, h)
         builds.append(("options", lambda: gluon_backward(*dense, options, cfg, pre)))
+    if d == 256:
+        builds.append(("head-dim-v", lambda: gluon_backward(*_half_values(list(dense)), params, cfg, pre)))
     return builds
 
 

@@ -199,7 +199,7 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
     sees it through the ring, from ring position it0 on; returns the position after the last."""
     NKV: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = NKV * _KPC
-    mbarrier.expect(kv_ready, 2 * NKV * kv_desc_k.block_type.nbytes)
+    mbarrier.expect(kv_ready, NKV * (kv_desc_k.block_type.nbytes + kv_desc_v.block_type.nbytes))
     for c in gl.static_range(NKV):
         tma_load(kv_desc_k, [tma_batch, k_start + start_n + c * _KPC, kv_head, 0], kv_ready,
                                         k_smem.index(c))
@@ -934,16 +934,22 @@ _DQ_N = gl.constexpr(64)        # dQ columns per reduce-add tile
 
 @gluon.jit
 def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem,
-                       delta_smem, k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
-                       seqlen_q, seqlen_k, qk_scale_log2,
+                       delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_stage_smem, q_ready, q_empty, ds_ready,
+                       ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
                        CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                        MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
-                       s_layout: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr):
+                       s_layout: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
+                       HEAD_DIM_V_TRUE: gl.constexpr):
     """Query blocks [m_start, m_stop) of one query head (head dim 256, or a head dim in (128, 256)
-    padded to it: HEAD_DIM_TRUE)."""
+    padded to it: HEAD_DIM_TRUE). V and dO may be narrower (head_dim_v != head_dim_qk: a tile of
+    128 or 256 columns, HEAD_DIM_V_TRUE of them in the tensors): each warpgroup then owns half of
+    V's columns of dV, and a dQ tile that its half of dO cannot stage goes to dq_stage_smem."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     NCHUNK: gl.constexpr = HEAD_DIM // 64
+    V_DIM: gl.constexpr = v_smem.shape[4]
+    V_NCHUNK: gl.constexpr = V_DIM // 64
+    V_NCHUNK_USED: gl.constexpr = (HEAD_DIM_V_TRUE + 63) // 64
     # Chunks that hold columns of the tensors; the others are TMA's zero fill: the score products
     # skip them, and so does the dQ tile of a warpgroup that lies wholly past the head dim.
     NCHUNK_USED: gl.constexpr = (HEAD_DIM_TRUE + 63) // 64
@@ -958,7 +964,7 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
 
     # K, V: 4 chunks of (64 keys, 64 columns).
     k_chunks = reinterpret(k_smem, dtype, [NCHUNK, _KPC, 64], chunk_layout)
-    v_chunks = reinterpret(v_smem, dtype, [NCHUNK, _KPC, 64], chunk_layout)
+    v_chunks = reinterpret(v_smem, dtype, [V_NCHUNK, _KPC, 64], chunk_layout)
     # P^T, dS^T: [buffer, 64 keys, BLOCK_M queries] and [buffer * 2 + warpgroup, 64 keys, HALF_M].
     p_halves = reinterpret(p_smem, dtype, [4, _KPC, HALF_M], pt_half_layout)
     ds_halves = reinterpret(ds_smem, dtype, [4, _KPC, HALF_M], pt_half_layout)
@@ -978,9 +984,9 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         zero = _opaque_zero(it)
         # Q, dO slot as (chunk, row half) tiles of (HALF_M, 64), and as head-dim halves (BLOCK_M, 128).
         q_tiles = reinterpret(q_smem.index(slot), dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
-        do_tiles = reinterpret(do_smem.index(slot), dtype, [2 * NCHUNK, HALF_M, 64], chunk_layout)
+        do_tiles = reinterpret(do_smem.index(slot), dtype, [2 * V_NCHUNK, HALF_M, 64], chunk_layout)
         q_mine = reinterpret(q_smem.index(slot), dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
-        do_mine = reinterpret(do_smem.index(slot), dtype, [2, BLOCK_M, _D256_HALF], half_layout).index(CONSUMER)
+        do_mine = reinterpret(do_smem.index(slot), dtype, [2, BLOCK_M, V_DIM // 2], half_layout).index(CONSUMER)
 
         # S^T = K Q_c^T and dP^T = V dO_c^T for this warpgroup's query rows, summed over the
         # head-dim chunks. (Starting dP^T at -delta, as at d64/d128, makes ptxas wait for S^T
@@ -997,7 +1003,7 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
             s_tok = warpgroup_mma(k_chunks.index(j + zero), q_tiles.index(2 * j + CONSUMER).permute([1, 0]), s_tok,
                                   is_async=True)
         dp_tok = gl.zeros([_KPC, HALF_M], gl.float32, s_layout)
-        for j in gl.static_range(NCHUNK_USED):
+        for j in gl.static_range(V_NCHUNK_USED):
             dp_tok = warpgroup_mma(v_chunks.index(j + zero), do_tiles.index(2 * j + CONSUMER).permute([1, 0]), dp_tok,
                                    use_acc=j > 0, is_async=True)
 
@@ -1032,7 +1038,11 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
         # in registers at once would spill.
         stage_shape: gl.constexpr = [2, 1, BLOCK_M, 1, _DQ_N]
         stage_q = reinterpret(q_smem.index(slot), gl.float32, stage_shape, stage_layout).index(CONSUMER)
-        stage_do = reinterpret(do_smem.index(slot), gl.float32, stage_shape, stage_layout).index(CONSUMER)
+        if V_DIM < HEAD_DIM:
+            # This warpgroup's half of a narrower dO tile holds less than a dQ tile.
+            stage_do = dq_stage_smem.index(CONSUMER)
+        else:
+            stage_do = reinterpret(do_smem.index(slot), gl.float32, stage_shape, stage_layout).index(CONSUMER)
         col0 = CONSUMER * _D256_HALF
         dv_tok = warpgroup_mma(pt, do_mine, dv, is_async=True)
         dk_tok = warpgroup_mma(dst, q_mine, dk, is_async=True)
@@ -1075,14 +1085,16 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
 
 
 @gluon.jit
-def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
-                       q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head, tma_batch,
+def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_stage_smem,
+                       kv_ready, q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n,
+                       kv_head, tma_batch,
                        q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
                        dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                        CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr,
-                       HEAD_DIM_TRUE: gl.constexpr):
+                       HEAD_DIM_TRUE: gl.constexpr, HEAD_DIM_V_TRUE: gl.constexpr):
     HALF_M: gl.constexpr = BLOCK_M // 2
+    V_HALF: gl.constexpr = v_smem.shape[4] // 2  # dV columns per warpgroup
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_M, 16])
@@ -1090,29 +1102,31 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
                                                          instr_shape=[16, _D256_HALF, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, _DQ_N, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, V_HALF, 16])
     m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _KPC, CAUSAL)
 
     dk = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
-    dv = gl.zeros([_KPC, _D256_HALF], gl.float32, acc_layout)
+    dv = gl.zeros([_KPC, V_HALF], gl.float32, dv_layout)
     mbarrier.wait(kv_ready, 0)
     it = 0
     for g in range(head_group):
         head = kv_head * head_group + g
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_lo, m_full, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
-            k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
-            HEAD_DIM_TRUE)
+            k_smem, v_smem, p_smem, ds_smem, dq_stage_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
+            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
+            HEAD_DIM_TRUE, HEAD_DIM_V_TRUE)
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_full, m_tail, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
-            k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
-            HEAD_DIM_TRUE)
+            k_smem, v_smem, p_smem, ds_smem, dq_stage_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
+            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
+            HEAD_DIM_TRUE, HEAD_DIM_V_TRUE)
         it, dk, dv = _query_blocks_d256(
             it, dk, dv, m_tail, m_end, head, tma_batch, q_start, start_n, q_smem, do_smem, lse_smem, delta_smem,
-            k_smem, v_smem, p_smem, ds_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q, seqlen_k,
-            qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
-            HEAD_DIM_TRUE)
+            k_smem, v_smem, p_smem, ds_smem, dq_stage_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
+            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_OVERLAP, s_layout, dq_layout,
+            HEAD_DIM_TRUE, HEAD_DIM_V_TRUE)
 
     # Both warpgroups' scores read all of K and V: wait for both, then stage this warpgroup's
     # dK, dV columns in its halves of the K, V tiles. The last dQ reduce-adds must be done with
@@ -1127,10 +1141,11 @@ def _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_
         else:
             # The sequence's ragged last keys: a TMA box would overwrite the next sequence's rows.
             MY_COLS: gl.constexpr = HEAD_DIM_TRUE - CONSUMER * _D256_HALF  # in the tensor
+            MY_V_COLS: gl.constexpr = HEAD_DIM_V_TRUE - CONSUMER * V_HALF
             _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
                         (dk * softmax_scale).to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
-            _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + start_n, kv_head, CONSUMER * _D256_HALF,
-                        dv.to(dtype), seqlen_k - start_n, acc_layout, MY_COLS)
+            _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + start_n, kv_head, CONSUMER * V_HALF,
+                        dv.to(dtype), seqlen_k - start_n, dv_layout, MY_V_COLS)
     else:
         _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, start_n, kv_head, softmax_scale,
                              CONSUMER)
@@ -1142,24 +1157,26 @@ def _store_dkdv_tma_d256(dk, dv, k_smem, v_smem, dk_desc, dv_desc, tma_batch, ro
     """Stage this warpgroup's head-dim half of dK, dV in its halves of the K, V tiles and store
     them with TMA."""
     dtype: gl.constexpr = k_smem.dtype
+    V_HALF: gl.constexpr = v_smem.shape[4] // 2
     k_stage = reinterpret(k_smem, dtype, [2, 1, _KPC, 1, _D256_HALF], dk_desc.layout).index(CONSUMER)
-    v_stage = reinterpret(v_smem, dtype, [2, 1, _KPC, 1, _D256_HALF], dv_desc.layout).index(CONSUMER)
+    v_stage = reinterpret(v_smem, dtype, [2, 1, _KPC, 1, V_HALF], dv_desc.layout).index(CONSUMER)
     k_stage.reshape([_KPC, _D256_HALF]).store((dk * softmax_scale).to(dtype))
-    v_stage.reshape([_KPC, _D256_HALF]).store(dv.to(dtype))
+    v_stage.reshape([_KPC, V_HALF]).store(dv.to(dtype))
     fence_async_shared()
     tma_store(dk_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], k_stage)
-    tma_store(dv_desc, [tma_batch, row, kv_head, CONSUMER * _D256_HALF], v_stage)
+    tma_store(dv_desc, [tma_batch, row, kv_head, CONSUMER * V_HALF], v_stage)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready,
-                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_stage_smem, kv_ready,
+                   q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                    seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                    cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                    stride_dv_h, stored, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr, IS_VARLEN: gl.constexpr,
-                   HEAD_DIM_TRUE: gl.constexpr, COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr):
+                   HEAD_DIM_TRUE: gl.constexpr, COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                   HEAD_DIM_V_TRUE: gl.constexpr):
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * _KPC
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -1170,11 +1187,12 @@ def _consumer_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     if IS_VARLEN:
         has_keys = start_n < seqlen_k
     if has_keys:
-        _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
-                           q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head,
-                           tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
+        _consume_keys_d256(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_stage_smem,
+                           kv_ready, q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n,
+                           kv_head, tma_batch, q_start, k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2,
                            softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
-                           CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE)
+                           CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN, HEAD_DIM_TRUE,
+                           HEAD_DIM_V_TRUE)
     if COUNT_DONE:
         _warpgroup_writes_landed(stored)
 
@@ -1188,8 +1206,11 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                                BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                LOADER_REGS: gl.constexpr, CAUSAL: gl.constexpr, DQ_OVERLAP: gl.constexpr,
                                IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
-                               HEADS_FIRST: gl.constexpr):
+                               HEADS_FIRST: gl.constexpr, HEAD_DIM_V_TRUE: gl.constexpr = None):
+    """HEAD_DIM_V_TRUE: V's (and dO's, dV's) head dim when it differs from Q's and K's (v_desc's boxes
+    are its padded width, 128 or 256); None: the same."""
     gl.static_assert(NUM_STAGES >= 2, "a slot is released one query block late (dQ staging)")
+    V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
     dtype: gl.constexpr = q_desc.dtype
     HALF_M: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -1203,6 +1224,12 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     pt_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=HALF_M * 2, element_bitwidth=16, rank=2)
     p_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, _KPC, BLOCK_M], pt_layout)
+    if v_desc.block_type.shape[3] < q_desc.block_type.shape[3]:
+        # A narrower dO tile cannot stage a warpgroup's second dQ tile: one (BLOCK_M, 64) float32 tile per
+        # warpgroup of its own (reused each query block: the block's first reduce-add wait drains it).
+        dq_stage_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_stage_smem = p_smem  # unused (warp_specialize's arguments cannot be None)
 
     # With done counts (GluonBwdConfig.overlap_convert), the convert may launch once every CTA has started.
     COUNT_DONE: gl.constexpr = done_counts is not None
@@ -1210,18 +1237,18 @@ def gluon_attn_bwd_d256_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
 
     # Each consumer gets its index as a literal (a constexpr) in the inline argument tuple.
     gl.warp_specialize([
-        (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
-                          q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+        (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_stage_smem,
+                          kv_ready, q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                           seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
                           stride_dv_s, stride_dv_h, stored, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                          HEAD_DIM_TRUE, COUNT_DONE, HEADS_FIRST)),
-        (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready,
-                          q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
+                          HEAD_DIM_TRUE, COUNT_DONE, HEADS_FIRST, V_TRUE)),
+        (_consumer_d256, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem, dq_stage_smem,
+                          kv_ready, q_ready, q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                           seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr,
                           stride_dv_s, stride_dv_h, stored, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_OVERLAP, IS_VARLEN,
-                          HEAD_DIM_TRUE, COUNT_DONE, HEADS_FIRST)),
+                          HEAD_DIM_TRUE, COUNT_DONE, HEADS_FIRST, V_TRUE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,

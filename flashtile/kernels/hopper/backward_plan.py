@@ -12,7 +12,8 @@ from ..plans import CompiledCall
 from .backward import (_DQ_N, BLOCK_N, KEYS_PER_CONSUMER, NUM_CONSUMERS, gluon_attn_bwd_d256_kernel,
                        gluon_attn_bwd_kernel, gluon_attn_bwd_persistent_kernel, gluon_bwd_dq_convert_kernel)
 from .forward_plan import band_sides, option_arguments
-from .tma import DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported, tma_aligned
+from .tma import (DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported, tma_aligned,
+                  values_supported)
 
 LOG2E = 1.4426950408889634
 
@@ -81,19 +82,23 @@ def _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta, cfg):
     The loader's Q/dO/K/V boxes are whole rows of the head dim at every head dim. A head dim that is
     not a power of two (96, 192) runs the kernel of the next one with boxes of that width: TMA
     zero-fills the missing columns on loads (every product stays exact, the padded columns of dK,
-    dV, dQ come out zero) and clips them on stores and reduce-adds."""
-    head_dim = q.shape[-1]
-    block_d = padded_head_dim(head_dim)
-    loads = (DescriptorTemplate(q, cfg.block_m, block_d), DescriptorTemplate(dout, cfg.block_m, block_d),
-             DescriptorTemplate(k, KEYS_PER_CONSUMER, block_d), DescriptorTemplate(v, KEYS_PER_CONSUMER, block_d))
+    dV, dQ come out zero) and clips them on stores and reduce-adds. V, dO, dV may have a head dim of
+    their own (the head-dim-256 kernel only: see values_supported), whose padded width their boxes take."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    loads = (DescriptorTemplate(q, cfg.block_m, block_d), DescriptorTemplate(dout, cfg.block_m, block_dv),
+             DescriptorTemplate(k, KEYS_PER_CONSUMER, block_d), DescriptorTemplate(v, KEYS_PER_CONSUMER, block_dv))
     # lse / delta: 1-D boxes over the flat arrays (no 16-byte row-stride condition on seqlen_q).
     rows = (RowDescriptorTemplate(lse_log2, cfg.block_m), RowDescriptorTemplate(delta, cfg.block_m))
     extra = {"HEAD_DIM_TRUE": head_dim}
+    if head_dim_v != head_dim:
+        assert values_supported(head_dim, head_dim_v)
+        extra["HEAD_DIM_V_TRUE"] = head_dim_v
     if block_d == 256:
         # Each warpgroup stores its half of the head dim of dK, dV (staged in its half of the K,
         # V tiles) and reduce-adds dQ in (block_m, 64) float32 tiles.
-        half = block_d // NUM_CONSUMERS
-        stores = (DescriptorTemplate(dk, KEYS_PER_CONSUMER, half), DescriptorTemplate(dv, KEYS_PER_CONSUMER, half),
+        stores = (DescriptorTemplate(dk, KEYS_PER_CONSUMER, block_d // NUM_CONSUMERS),
+                  DescriptorTemplate(dv, KEYS_PER_CONSUMER, block_dv // NUM_CONSUMERS),
                   DescriptorTemplate(dq_acc, cfg.block_m, _DQ_N.value))
         return loads + stores + rows, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap,
                                                                                       **extra}

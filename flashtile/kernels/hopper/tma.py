@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ...configs import padded_head_dim
 from ...runtime import device_capability, multiprocessor_count
 from ...triton_compat import gluon_tensor_descriptor, tensor_descriptor
 
@@ -22,6 +23,13 @@ def tma_aligned(t: torch.Tensor) -> bool:
 
 # Head dims the Gluon kernels are built for (96 and 192 through zero-padded TMA boxes).
 HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def values_supported(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the Hopper backward takes values of head dim ``head_dim_v`` with queries and keys of
+    ``head_dim``: the same, or the head-dim-256 kernel (head dims above 128) with a value tile of 128 or
+    256 columns (each warpgroup owns half of it)."""
+    return head_dim_v == head_dim or (padded_head_dim(head_dim) == 256 and padded_head_dim(head_dim_v) >= 128)
 
 
 def tma_misalignment(name: str, t: torch.Tensor) -> Optional[str]:

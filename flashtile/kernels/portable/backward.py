@@ -31,13 +31,15 @@ def attn_bwd_preprocess_kernel(
     ZeroCounts, nheads_k,
     nheads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HEAD_DIM_ZERO: tl.constexpr = None, BLOCK_D_ZERO: tl.constexpr = None,
 ):
     """Delta, LseLog2: float32 with (batch, head) strides stride_delta_*, rows contiguous;
     laid out like lse (a row of a packed sequence starts at its q_start).
     ZeroRows: None, or a float32 (b, sq, h, d) buffer (the Gluon backward's dQ accumulator) whose
     rows this pass zeroes: its writes ride along with the reads of out and dout, instead of a
-    memset of its own. ZeroCounts: None, or int32 (b, nheads_k) counts (the Gluon backward's key
-    blocks done per KV head) zeroed here too."""
+    memset of its own. Its head dim (q's) is HEAD_DIM_ZERO where it differs from out's.
+    ZeroCounts: None, or int32 (b, nheads_k) counts (the Gluon backward's key blocks done per KV
+    head) zeroed here too."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -63,9 +65,11 @@ def attn_bwd_preprocess_kernel(
     tl.store(Delta + row_ids, delta, mask=rows < seqlen_q)
     tl.store(LseLog2 + row_ids, lse_log2, mask=rows < seqlen_q)
     if ZeroRows is not None:
+        ZERO_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_ZERO is None else HEAD_DIM_ZERO
+        ZERO_BLOCK: tl.constexpr = BLOCK_D if BLOCK_D_ZERO is None else BLOCK_D_ZERO
         zero_base = ZeroRows + b.to(tl.int64) * stride_zero_b + q_start * stride_zero_s + h.to(tl.int64) * stride_zero_h
-        store_tile(zero_base, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), rows, offs_d, stride_zero_s, seqlen_q,
-                   HEAD_DIM, BLOCK_D)
+        store_tile(zero_base, tl.zeros([BLOCK_M, ZERO_BLOCK], tl.float32), rows, tl.arange(0, ZERO_BLOCK),
+                   stride_zero_s, seqlen_q, ZERO_DIM, ZERO_BLOCK)
 
 
 @triton.jit

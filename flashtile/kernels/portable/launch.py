@@ -147,8 +147,8 @@ class PortableForward:
             (q, k, v, out, lse,
              *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out), *_bh_strides(lse)),
             dict(**_seq_args(seqs), **pages, **_shape_args(q, k, seqs), **_value_dim_args(q, v),
-                 **params.kernel_args(q.dtype), KeyShift=None, num_splits=num_splits, keys_per_split=keys_per_split, split_stride_o=split_stride_o,
-                 split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
+                 **params.kernel_args(q.dtype), KeyShift=None, num_splits=num_splits, keys_per_split=keys_per_split,
+                 split_stride_o=split_stride_o, split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
                  SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
                  WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  **({"PACK_GQA": True} if pack_gqa else {}), **_row_stride(lse),
@@ -240,9 +240,9 @@ def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs
                       block_m: int = 64, num_warps: int = 4, zero: Optional[torch.Tensor] = None,
                       zero_counts: Optional[torch.Tensor] = None) -> None:
     """delta <- rowsum(dout * out), lse_log2 <- lse * log2(e) (+inf for rows without keys).
-    zero: None, or a float32 tensor shaped like out whose rows (each sequence's used rows, when
-    packed) are zeroed in the same pass. zero_counts: None, or an int32 (batch, nheads_k) tensor
-    zeroed too (nheads_k <= the heads of out)."""
+    zero: None, or a float32 tensor shaped like out (but for its head dim: q's) whose rows (each
+    sequence's used rows, when packed) are zeroed in the same pass. zero_counts: None, or an int32
+    (batch, nheads_k) tensor zeroed too (nheads_k <= the heads of out)."""
     preprocess_call(out, dout, lse, delta, lse_log2, seqs, block_m, num_warps, zero, zero_counts)(
         out, dout, lse, delta, lse_log2, zero, zero_counts, *preprocess_seq_tensors(seqs))
 
@@ -260,7 +260,7 @@ def preprocess_call(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] 
     batch, max_seqlen_q, _ = grid_lengths(out, out, seqs)
     nheads, head_dim = out.shape[2], out.shape[3]
     if zero is not None:
-        assert zero.dtype == torch.float32 and zero.shape == out.shape and zero.stride(-1) == 1
+        assert zero.dtype == torch.float32 and zero.shape[:-1] == out.shape[:-1] and zero.stride(-1) == 1
     if zero_counts is not None:
         assert zero_counts.dtype == torch.int32 and zero_counts.is_contiguous() and zero_counts.dim() == 2
         assert zero_counts.shape[0] == batch and zero_counts.shape[1] <= nheads
@@ -271,7 +271,8 @@ def preprocess_call(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] 
          *(_bsh_strides(zero) if zero is not None else (0, 0, 0)), zero_counts,
          0 if zero_counts is None else zero_counts.shape[1], nheads, out.shape[1]),
         dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, IS_VARLEN=seqs is not None,
-             num_warps=num_warps),
+             num_warps=num_warps, **({} if zero is None or zero.shape[-1] == head_dim else
+                                     dict(HEAD_DIM_ZERO=zero.shape[-1], BLOCK_D_ZERO=padded_head_dim(zero.shape[-1])))),
         slots=("Out", "DOut", "Lse", "Delta", "LseLog2", "ZeroRows", "ZeroCounts", "CuSeqlensQ", "SeqUsedQ"))
 
 

@@ -22,11 +22,12 @@ option set of --sets:
                              efficient backend reads as its mask).
 --headdim-v gives V (and the output) a head dim of its own (DeepSeek-style 192 / 128 with --headdims 192).
 TFLOP/s count the (query, key) pairs the options leave visible: 2 * b * h * (d + dv) per pair (4 * b * h * d
-when dv = d), 3.5x that for forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain TFLOP/s of the same mask
-class (causal-shaped sets against plain-causal, the others against plain-full), all in the same run;
-"ft/flex" over compiled FlexAttention with the same block mask and score_mod (the bias read from its
-tensor), "ft/sdpa-efficient" over SDPA's memory-efficient backend (bias sets). Every system's output
-(flashtile's gradients too) is checked on the first batch element against a float32 reference.
+when dv = d), 3.5x that for forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain
+TFLOP/s of the same mask class (causal-shaped sets against plain-causal, the others against plain-full),
+all in the same run; "ft/flex" over compiled FlexAttention with the same block mask and score_mod (the
+bias read from its tensor), "ft/sdpa-efficient" over SDPA's memory-efficient backend (bias sets),
+"ft/sdpa" over SDPA with its own backend choice (plain sets). Every system's output (flashtile's
+gradients too) is checked on the first batch element against a float32 reference.
 """
 
 from __future__ import annotations
@@ -362,7 +363,8 @@ def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
             cells = sets.get(name)
             if cells is None:
                 continue
-            row = [str(headdim) if headdim_v == headdim else f"{headdim}/{headdim_v}", str(nheads) if nheads == nheads_k else f"{nheads}/{nheads_k}", name, mode]
+            heads = str(nheads) if nheads == nheads_k else f"{nheads}/{nheads_k}"
+            row = [str(headdim) if headdim_v == headdim else f"{headdim}/{headdim_v}", heads, name, mode]
             for system in systems:
                 r = cells.get(system)
                 if r is None or (r.get("skipped") and r.get("tflops") is None and r.get("rel_err") is None):
@@ -404,7 +406,8 @@ def draw_plot(records: list[dict], systems: list[str], title: str):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--headdims", type=size_list, default=None, help="head dims (default: 64,128)")
-    add("--headdim-v", type=int, default=None, help="V's head dim, when it differs from q's and k's (default: the same)")
+    add("--headdim-v", type=int, default=None,
+        help="V's head dim, when it differs from q's and k's (default: the same)")
     add("--seqlen", type=parse_size, default=None, help="queries and keys per sequence (default: 8k)")
     add("--tokens", type=parse_size, default=None, help="tokens per batch: batch = tokens // seqlen (default: 16k)")
     add("--heads", type=int, default=None, help="query heads (default: hidden // headdim)")
@@ -443,7 +446,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         "bench": "options", "interpret_smoke": smoke, "anchors": {n: f"run ({ANCHORS[n]})" for n in args.anchors},
         "systems": systems, "dtype": args.dtype, "timing": not smoke, "tolerance": tolerance, "seqlen": args.seqlen,
         "batch": batch, "hidden": args.hidden, "heads": args.heads, "heads_k": args.heads_k, "window": args.window,
-        "softcap": args.softcap, "headdim_v": args.headdim_v, "sets": args.sets, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms})
+        "softcap": args.softcap, "headdim_v": args.headdim_v, "sets": args.sets, "warmup_ms": args.warmup_ms,
+        "rep_ms": args.rep_ms})
     out_dir = check_out_dir(args.out or default_out_dir("options", meta["gpu"]))
     progress = Progress(len(args.headdims) * len(args.sets) * len(systems) * len(args.modes))
     where = meta["gpu"] or "CPU, TRITON_INTERPRET=1"
@@ -460,7 +464,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             ref = reference(problem, with_grads="fwd_bwd" in args.modes)
             pairs = visible_pairs(args.seqlen, options)
             for system in systems:
-                base = dict(system=system, headdim=headdim, headdim_v=args.headdim_v or headdim, nheads=nheads, nheads_k=nheads_k, set=name,
+                base = dict(system=system, headdim=headdim, headdim_v=args.headdim_v or headdim, nheads=nheads,
+                            nheads_k=nheads_k, set=name,
                             causal_shaped=causal_shaped(options), visible_pairs=pairs)
                 reason = None
                 try:
