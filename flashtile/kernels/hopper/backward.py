@@ -1007,7 +1007,8 @@ def _query_blocks_d256(it, dk, dv, m_start, m_stop, head, tma_batch, q_start, st
             dp_tok = warpgroup_mma(v_chunks.index(j + zero), do_tiles.index(2 * j + CONSUMER).permute([1, 0]), dp_tok,
                                    use_acc=j > 0, is_async=True)
 
-        s, _, _, _ = warpgroup_mma_wait(NCHUNK_USED, deps=[s_tok, k_chunks, q_tiles, q_smem])
+        # S^T is done once no more than the dP^T products (issued after it) are in flight.
+        s, _, _, _ = warpgroup_mma_wait(V_NCHUNK_USED, deps=[s_tok, k_chunks, q_tiles, q_smem])
         p = gl.exp2(s * qk_scale_log2)
         dp, _, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_chunks, do_tiles, do_smem])
         delta = delta_smem.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(col_layout)
