@@ -523,15 +523,21 @@ def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     return _within_resources(run, dkdv_cfg, dq_cfg)
 
 
+# _within_resources' steps: (stages fewer, halvings of block_n, halvings of block_m), the config as it
+# is first. (float32 at head dim 256: the dQ kernel's 128-row Q and dO tiles alone fill shared memory.)
+_SHRINKS = ((0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2))
+
+
 def _within_resources(run: Callable, *cfgs: Config):
     """run(*cfgs), retried with shallower pipelines, then narrower tiles, while the kernels need more
     shared memory than the GPU has: the tables' configs plan for 16-bit inputs without mods, and
     float32 inputs or a call's mods (a bias gathered per score, pipelined like K and V) may need more.
     The first fit runs."""
     error = None
-    for fewer_stages, halvings in ((0, 0), (1, 0), (1, 1), (2, 1), (2, 2)):
+    for fewer_stages, n_halvings, m_halvings in _SHRINKS:
         candidates = [dataclasses.replace(cfg, num_stages=max(cfg.num_stages - fewer_stages, 1),
-                                          block_n=max(cfg.block_n >> halvings, 16)) for cfg in cfgs]
+                                          block_n=max(cfg.block_n >> n_halvings, 16),
+                                          block_m=max(cfg.block_m >> m_halvings, 16)) for cfg in cfgs]
         try:
             return run(*candidates)
         except OutOfResources as exc:
