@@ -2,7 +2,8 @@
 against the library's own sdpa / eager attention, on tiny random models (no downloads).
 
 Logits, greedy generation, a padding-free (packed) training step against the padded batch, sliding
-windows (Mistral) and softcap + alternating sliding/full layers (Gemma2). The comparisons run in
+windows (Mistral), softcap + alternating sliding/full layers (Gemma2) and attention sinks + alternating
+sliding/full layers (gpt-oss, against its eager attention: logits, gradients, generation). The comparisons run in
 float32 (flashtile takes float32 inputs; on the GPU its products are true float32 too), plus bfloat16
 logits on the GPU, judged against float32 with sdpa's own bfloat16 error as the yardstick.
 Skipped when transformers is not installed.
@@ -20,10 +21,11 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "AttentionInterface"):
     pytest.skip("transformers without the AttentionInterface API", allow_module_level=True)
 
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig  # noqa: E402
 
 import flashtile  # noqa: E402
 from flashtile.integrations import transformers as ft_hf  # noqa: E402
+from flashtile.reference import attention_naive  # noqa: E402
 
 if ft_hf._release(transformers.__version__) < ft_hf.OLDEST_TESTED:
     pytest.skip(f"transformers {transformers.__version__} is older than the tested {ft_hf.TESTED_TRANSFORMERS} "
@@ -212,38 +214,45 @@ def test_generate_static_cache_matches_sdpa(calls):
     assert {name for name, _ in calls} == {"flash_attn_varlen_func"}
 
 
+def padded_and_packed(lengths) -> tuple:
+    """Random sequences of these lengths as model inputs twice: a right-padded batch (input_ids,
+    attention_mask, labels) and the same tokens packed padding-free (input_ids, position_ids
+    restarting at 0, labels)."""
+    seqs = [torch.randint(3, VOCAB, (n,), device=DEVICE) for n in lengths]
+    padded_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long, device=DEVICE)
+    padded_mask = torch.zeros_like(padded_ids)
+    for b, seq in enumerate(seqs):
+        padded_ids[b, :len(seq)] = seq
+        padded_mask[b, :len(seq)] = 1
+    packed_ids = torch.cat(seqs)[None]
+    position_ids = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
+    padded = dict(input_ids=padded_ids, attention_mask=padded_mask,
+                  labels=padded_ids.masked_fill(padded_mask == 0, -100))
+    packed = dict(input_ids=packed_ids, position_ids=position_ids,
+                  labels=packed_ids.masked_fill(position_ids == 0, -100))  # no target across a sequence boundary
+    return padded, packed
+
+
+def train_step(model, **inputs) -> tuple:
+    """One training step's loss and parameter gradients."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
 @fresh_thread
 def test_packed_training_matches_padded(calls):
     """Padding-free batch (sequences end to end, position_ids restarting at 0) against the padded
     batch: same loss and gradients, for flashtile and for sdpa on the padded batch."""
     lengths = [7, 13, 4]
     ft, sdpa = build(tiny(), [NAME, "sdpa"])
-    seqs = [torch.randint(3, VOCAB, (n,), device=DEVICE) for n in lengths]
-
-    width = max(lengths)
-    padded_ids = torch.zeros(len(lengths), width, dtype=torch.long, device=DEVICE)
-    padded_mask = torch.zeros_like(padded_ids)
-    for b, s in enumerate(seqs):
-        padded_ids[b, :len(s)] = s
-        padded_mask[b, :len(s)] = 1
-    padded_labels = padded_ids.masked_fill(padded_mask == 0, -100)
-
-    packed_ids = torch.cat(seqs)[None]
-    position_ids = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
-    packed_labels = packed_ids.clone()
-    packed_labels[position_ids == 0] = -100  # no target across a sequence boundary
-
-    def step(model, **inputs):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        loss = model(**inputs).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-    loss_padded, grads_padded = step(ft, input_ids=padded_ids, attention_mask=padded_mask, labels=padded_labels)
+    padded, packed = padded_and_packed(lengths)
+    loss_padded, grads_padded = train_step(ft, **padded)
     n_padded = len(calls)
-    loss_packed, grads_packed = step(ft, input_ids=packed_ids, position_ids=position_ids, labels=packed_labels)
-    loss_sdpa, grads_sdpa = step(sdpa, input_ids=padded_ids, attention_mask=padded_mask, labels=padded_labels)
+    loss_packed, grads_packed = train_step(ft, **packed)
+    loss_sdpa, grads_sdpa = train_step(sdpa, **padded)
 
     assert [name for name, _ in calls] == ["flash_attn_varlen_func"] * (2 * n_padded)
     assert_close(loss_packed, loss_padded, what="loss packed vs padded")
@@ -256,8 +265,8 @@ def test_packed_training_matches_padded(calls):
     cu = torch.tensor([0, 7, 20, 24], dtype=torch.int32, device=DEVICE)
     ft.eval()
     with torch.no_grad():
-        by_positions = ft(packed_ids, position_ids=position_ids).logits
-        by_kwargs = ft(packed_ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+        by_positions = ft(packed["input_ids"], position_ids=packed["position_ids"]).logits
+        by_kwargs = ft(packed["input_ids"], position_ids=packed["position_ids"], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                        max_length_q=13, max_length_k=13).logits
     assert_close(by_kwargs, by_positions, what="logits with cu_seq_lens kwargs")
 
@@ -359,3 +368,118 @@ def test_register_warns_on_an_untested_older_transformers():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ft_hf.warn_if_untested("5.24.1")
+
+
+# --------------------------------------------------------------------------------------------
+# Attention sinks: gpt-oss passes its per-head sink logits as s_aux, which goes to learnable_sink.
+
+
+def gpt_oss_models(implementations, dtype=torch.float32):
+    """Tiny gpt-oss (a sliding layer of window 6, then a full layer; 2 experts, 1 per token), all with
+    the first model's weights, and sinks large enough to take a visible share of every row."""
+    config = tiny(GptOssConfig, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                  num_local_experts=2, num_experts_per_tok=1, initializer_range=0.3,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    models = build(config, implementations, dtype)
+    with torch.no_grad():
+        for model in models:
+            for i, layer in enumerate(model.model.layers):
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4) + i)
+    return models
+
+
+def sinks_of(model):
+    return [layer.self_attn.sinks for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@fresh_thread
+def test_gpt_oss_sinks_logits_match_eager(dtype, padded, calls):
+    ft, eager, truth = gpt_oss_models([NAME, "eager", "eager"])
+    assert NAME in type(ft)._compatible_flash_implementations  # register() kept transformers from redirecting it
+    ft.to(dtype)
+    eager.to(dtype)
+    ids, mask = batch_inputs(2, 17, pad=[0, 5] if padded else None)
+    keep = mask.bool()
+    with torch.no_grad():
+        out = ft(ids, attention_mask=mask).logits
+        ref = eager(ids, attention_mask=mask).logits
+        exact = truth(ids, attention_mask=mask).logits
+        assert_close(out[keep], ref[keep], exact[keep])
+        # the sinks matter: without them (-inf), the logits differ
+        for sink in sinks_of(truth):
+            sink.fill_(float("-inf"))
+        assert (truth(ids, attention_mask=mask).logits[keep] - exact[keep]).abs().max() > 1e-2
+    assert [name for name, _ in calls] == ["flash_attn_varlen_func" if padded else "flash_attn_func"] * 2
+    assert [kw["window_size"] for _, kw in calls] == [(5, 0), (-1, -1)]
+    assert all(kw["learnable_sink"] is sink for (_, kw), sink in zip(calls, sinks_of(ft)))
+
+
+@fresh_thread
+def test_gpt_oss_sinks_training_matches_eager(calls):
+    """Loss and gradients (the sinks' too) of a padded batch against eager's, then of the same
+    sequences packed padding-free (position_ids restarting at 0) against eager's padded batch."""
+    lengths = [9, 14, 5]
+    ft, eager = gpt_oss_models([NAME, "eager"])
+    padded, packed = padded_and_packed(lengths)
+    loss_ref, grads_ref = train_step(eager, **padded)
+    loss_padded, grads_padded = train_step(ft, **padded)
+    loss_packed, grads_packed = train_step(ft, **packed)
+    assert [name for name, _ in calls] == ["flash_attn_varlen_func"] * 4
+    assert all(kw["learnable_sink"] is not None for _, kw in calls)
+    sink_grads = [n for n in grads_ref if n.endswith("self_attn.sinks")]
+    assert len(sink_grads) == 2 and all(grads_ref[n].abs().max() > 1e-4 for n in sink_grads)
+    for what, loss, grads in (("padded", loss_padded, grads_padded), ("packed", loss_packed, grads_packed)):
+        assert_close(loss, loss_ref, what=f"{what} loss vs eager")
+        for name in grads_ref:
+            assert_close(grads[name], grads_ref[name], what=f"{name}.grad {what} vs eager")
+
+
+@pytest.mark.parametrize("cache, padded", [("dynamic", False), ("dynamic", True), ("static", True)])
+@fresh_thread
+def test_gpt_oss_sinks_generate_matches_eager(cache, padded, calls):
+    """Greedy tokens with the cache, 10 steps past a prompt of 9: the sliding layer's window (6)
+    moves on while decoding."""
+    ft, eager = gpt_oss_models([NAME, "eager"])
+    ids, mask = batch_inputs(2, 9, pad=[0, 3] if padded else None)
+    options = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        options.update(cache_implementation="static", disable_compile=True)
+    with torch.no_grad():
+        tokens = ft.generate(ids, attention_mask=mask, **options)
+        ref_tokens = eager.generate(ids, attention_mask=mask, **options)
+    assert tokens.shape == (2, 9 + 10)
+    assert_same_greedy(eager, 9, tokens, ref_tokens, mask)
+    assert len(calls) == 2 * 10 and all(kw["learnable_sink"] is not None for _, kw in calls)
+    names = {name for name, _ in calls}
+    assert "flash_attn_varlen_func" in names if padded else names == {"flash_attn_func"}
+
+
+@fresh_thread
+def test_attention_function_sinks():
+    """s_aux straight into the attention function: float16 q, k, v with float32 sinks (the dtype some
+    models keep them in), against the definition; the sinks' gradient comes back in float32. Then the
+    errors: a position bias, a sink of the wrong shape."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    seqlen = 13
+    q = torch.randn(2, 4, seqlen, 16, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(2, 2, seqlen, 16, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    sinks = torch.tensor([-1.0, 0.5, 1.0, 3.0], device=DEVICE, requires_grad=True)
+    out, _ = ft_hf.flashtile_attention_forward(module, q, k, v, None, scaling=0.25, sliding_window=5, s_aux=sinks)
+    grad = torch.randn_like(out)
+    (sink_grad,) = torch.autograd.grad(out, sinks, grad)
+
+    ref_sinks = sinks.detach().double().requires_grad_()
+    ref, _ = attention_naive(*(t.detach().transpose(1, 2) for t in (q, k, v)), softmax_scale=0.25, causal=True,
+                             window_size=(4, 0), learnable_sink=ref_sinks)
+    (ref_grad,) = torch.autograd.grad(ref, ref_sinks, grad.double())
+    assert sink_grad.dtype == torch.float32
+    assert (out.double() - ref).abs().max() < 2e-3
+    assert (sink_grad.double() - ref_grad).abs().max() < 2e-3 * max(1.0, ref_grad.abs().max().item())
+
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        ft_hf.flashtile_attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, seqlen, seqlen))
+    with pytest.raises(ValueError, match="learnable_sink"):
+        ft_hf.flashtile_attention_forward(module, q, k, v, None, s_aux=sinks[:2])

@@ -7,8 +7,8 @@
     # or, on a built model: model.set_attn_implementation("flashtile")
 
 Works with models that call attention through transformers' ``AttentionInterface`` (Llama, Mistral,
-Qwen2/3, Gemma2/3, ...), in training and in ``generate`` with a DynamicCache (or a StaticCache).
-Tested against transformers 5.23 and 5.24 (the range of flashtile's ``hf`` extra).
+Qwen2/3, Gemma2/3, gpt-oss, ...), in training and in ``generate`` with a DynamicCache (or a StaticCache).
+Tested against transformers 5.23 and 5.24 (the range of flashtile's ``hf`` extra); gpt-oss against 5.24.
 
 What the attention function receives, and what it calls (q, k, v are the model's (batch, heads, seq,
 dim) tensors, handed to flashtile as (batch, seq, heads, dim) views without copies; GQA/MQA key and
@@ -36,8 +36,18 @@ causal sliding-window mask keeps key j for query i when ``i - sliding_window < j
 ``sliding_window`` whose symmetric flash window is ``(sliding_window - 1, sliding_window - 1)``
 (ModernBERT passes its config's half-window + 1 for that reason), which is used as is.
 
-Not supported (a clear error): arbitrary 4D masks, attention sinks (``s_aux``), additive position
-biases, transformers' continuous-batching paged cache. ``output_attentions`` returns no weights.
+Attention sinks: gpt-oss passes its (heads,) parameter of per-head sink logits as ``s_aux``; it goes
+to flashtile as ``learnable_sink`` on every route above (dense, padded, packed, and ``generate``'s
+prefill and decoding steps with either cache), in the dtype the model holds it, and its gradient
+reaches that parameter.
+gpt-oss lists the flash kernels it accepts (``_compatible_flash_implementations``), and transformers
+sends any other implementation whose name contains "flash" to the first of them: ``register`` adds
+its name to that list for the models in ``SINK_MODELS`` (gpt-oss). Other models with such a list are
+left alone (a "flash..." name is redirected there; under a name without "flash", such as
+``register("tiled")``, their ``s_aux`` reaches flashtile too, untested).
+
+Not supported (a clear error): arbitrary 4D masks, additive position biases (``position_bias``),
+transformers' continuous-batching paged cache. ``output_attentions`` returns no weights.
 """
 
 import os
@@ -172,10 +182,9 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                                 is_causal: Optional[bool] = None, **kwargs):
     """transformers attention function: query (batch, heads, q_len, dim), key and value
     (batch, kv_heads, k_len, dim) -> ((batch, q_len, heads, dim) output, None)."""
-    for name in ("s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"flashtile's transformers attention does not support `{name}`; "
-                                      "use attn_implementation='eager' or 'sdpa' for this model")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("flashtile's transformers attention does not support `position_bias`; "
+                                  "use attn_implementation='eager' or 'sdpa' for this model")
     if kwargs.get("cache") is not None and type(kwargs["cache"]).__name__ == "PagedAttentionCache":
         raise NotImplementedError("flashtile's transformers attention does not support the paged cache of "
                                   "continuous batching")
@@ -200,8 +209,10 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if deterministic is None:
         deterministic = (torch.are_deterministic_algorithms_enabled()
                          or os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1")
+    # s_aux goes in the model's own dtype: learnable_sink takes any floating dtype (some models keep it float32).
     options = dict(dropout_p=float(dropout or 0.0), softmax_scale=scaling, causal=is_causal,
-                   window_size=window, softcap=float(softcap or 0.0), deterministic=bool(deterministic))
+                   window_size=window, softcap=float(softcap or 0.0), deterministic=bool(deterministic),
+                   learnable_sink=kwargs.get("s_aux"))
 
     if attention_mask is not None:
         out = _padded_attention(q, k, v, attention_mask, options)
@@ -295,6 +306,28 @@ def _seed_flash_import_cache(name: str) -> None:
     fa_utils._loaded_implementation = name
 
 
+# Models that pass attention sinks (s_aux) and list the flash kernels they accept
+# (_compatible_flash_implementations): transformers sends any other "flash..." name to the first of those.
+# Listed here after tests against the model's eager attention; model type -> the class holding the list.
+SINK_MODELS = {"gpt_oss": "GptOssPreTrainedModel"}
+
+
+def _list_as_compatible(name: str) -> None:
+    """Add ``name`` to the accepted flash implementations of SINK_MODELS, so a model built with
+    attn_implementation=name keeps it instead of being redirected to a hub kernel."""
+    import importlib
+
+    for model_type, class_name in SINK_MODELS.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:
+            continue  # a release without that model
+        cls = getattr(module, class_name, None)
+        listed = getattr(cls, "_compatible_flash_implementations", None)
+        if listed is not None and name not in listed:
+            cls._compatible_flash_implementations = [*listed, name]
+
+
 def _release(version: str) -> tuple:
     """(major, minor) of a version string such as 5.23.0.dev0."""
     parts = []
@@ -316,7 +349,8 @@ def warn_if_untested(version: str) -> None:
 
 def register(name: str = DEFAULT_NAME) -> str:
     """Register flashtile with transformers as ``attn_implementation=name`` (attention function
-    and mask function), for every model built afterwards. Idempotent; returns ``name``."""
+    and mask function), for every model built afterwards. A name containing "flash" is also added to
+    the flash implementations that the SINK_MODELS classes accept. Idempotent; returns ``name``."""
     try:
         from transformers import AttentionInterface, AttentionMaskInterface
     except ImportError as e:
@@ -329,4 +363,5 @@ def register(name: str = DEFAULT_NAME) -> str:
     AttentionMaskInterface.register(name, flashtile_attention_mask)
     if "flash" in name:
         _seed_flash_import_cache(name)
+        _list_as_compatible(name)
     return name
