@@ -26,6 +26,7 @@ from .configs import any_overridden
 from .kernels.plans import PlanCache
 from .kernels.plans import enabled as launch_plans_enabled
 from .options import PackedSeqs, ScoreParams, draw_dropout_seed, packed_seqs
+from .sinks import unused_rows_lse
 from .runtime import environment_reader, poison_outputs_enabled, validate_enabled
 
 # The settings read on the long way; their values are part of every key.
@@ -79,7 +80,7 @@ def may_keep(device: torch.device) -> bool:
 
 
 def dense_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-              return_attn_probs) -> Optional[tuple]:
+              return_attn_probs, learnable_sink=None) -> Optional[tuple]:
     """The call key of flash_attn_func, or None when no plan may serve the call."""
     if torch.compiler.is_compiling():  # the ops trace; the key would be traced too
         return None
@@ -87,15 +88,16 @@ def dense_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    window, alibi = window_key(window_size), optional_key(alibi_slopes)
-    if window is None or alibi is None:
+    window, alibi, sink = window_key(window_size), optional_key(alibi_slopes), optional_key(learnable_sink)
+    if window is None or alibi is None or sink is None:
         return None
     return (tensor_key(q), tensor_key(k), tensor_key(v), dropout_p, softmax_scale, causal, window, softcap, alibi,
-            deterministic, _settings())
+            sink, deterministic, _settings())
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """Whether autograd records a call on these tensors (None stands for an absent optional one)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _Replay(torch.autograd.Function):
@@ -104,7 +106,7 @@ class _Replay(torch.autograd.Function):
     saved too, so that changing one in place before the backward raises, as on the long way."""
 
     @staticmethod
-    def forward(ctx, call, params, seqs, q, k, v):
+    def forward(ctx, call, params, seqs, q, k, v, learnable_sink):
         out, lse = call.forward(params, seqs, q, k, v)
         ctx.call, ctx.params, ctx.seqs = call, params, seqs
         if seqs is None:
@@ -117,14 +119,17 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors[:5]
-        return (None, None, None, *ctx.call.backward(ctx.params, ctx.seqs, dout, q, k, v, out, lse))
+        dq, dk, dv, dsink = ctx.call.backward(ctx.params, ctx.seqs, dout, q, k, v, out, lse)
+        return None, None, None, dq, dk, dv, dsink
 
 
 class DenseCall:
-    """flash_attn_func of one call signature: ``call(q, k, v, call.call_params(alibi_slopes))`` -> out.
+    """flash_attn_func of one call signature: ``call(q, k, v, call.call_params(alibi_slopes, learnable_sink),
+    learnable_sink)`` -> out.
 
-    The options resolved once (``params``; the ALiBi slopes and the dropout seed are the call's),
-    the forward's launch plan, and the backward's launch plans by the incoming gradient's layout."""
+    The options resolved once (``params``; the ALiBi slopes, the dropout seed and the learnable sink
+    are the call's), the forward's launch plan, and the backward's launch plans by the incoming
+    gradient's layout."""
 
     def __init__(self, q, v, params: ScoreParams, deterministic: bool):
         batch, seqlen_q, nheads, _ = q.shape
@@ -135,14 +140,14 @@ class DenseCall:
         self.launch = None
         self.backward_plans = {}
 
-    def call_params(self, alibi_slopes, dropout_seed=None) -> ScoreParams:
-        """This call's options: the resolved ones, with its ALiBi slopes and dropout seed (drawn
-        when not given)."""
-        return _with_tensors(self.params, alibi_slopes, dropout_seed, self.device)
+    def call_params(self, alibi_slopes, learnable_sink=None, dropout_seed=None) -> ScoreParams:
+        """This call's options: the resolved ones, with its ALiBi slopes, learnable sink and dropout
+        seed (drawn when not given)."""
+        return _with_tensors(self.params, alibi_slopes, dropout_seed, self.device).with_sink(learnable_sink)
 
-    def __call__(self, q, k, v, params: ScoreParams):
-        if _needs_grad(q, k, v):
-            return _Replay.apply(self, params, None, q, k, v)
+    def __call__(self, q, k, v, params: ScoreParams, learnable_sink=None):
+        if _needs_grad(q, k, v, learnable_sink):
+            return _Replay.apply(self, params, None, q, k, v, learnable_sink)
         return self.forward(params, None, q, k, v)[0]
 
     def forward(self, params: ScoreParams, seqs: None, q, k, v) -> tuple:
@@ -158,15 +163,26 @@ class DenseCall:
         if dout.stride(-1) != 1:
             dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dsink = _sink_grad_buffer(params)
         layout = (dout.stride(), dout.data_ptr() % 16 == 0)
         plan = self.backward_plans.get(layout)
         if plan is not None:
-            plan(q, k, v, out, dout, lse, dq, dk, dv, params, None)
+            plan(q, k, v, out, dout, lse, dq, dk, dv, params, None, dsink=dsink)
         else:
-            plan = dispatch.attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params, self.deterministic)
+            plan = dispatch.attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params, self.deterministic,
+                                               dsink=dsink)
             if plan is not None:
                 self.backward_plans[layout] = plan
-        return dq, dk, dv
+        return dq, dk, dv, _sink_grad(dsink, params)
+
+
+def _sink_grad_buffer(params: ScoreParams) -> Optional[torch.Tensor]:
+    sink = params.learnable_sink
+    return None if sink is None else torch.empty(sink.shape, dtype=torch.float32, device=sink.device)
+
+
+def _sink_grad(dsink: Optional[torch.Tensor], params: ScoreParams) -> Optional[torch.Tensor]:
+    return None if dsink is None else dsink.to(params.learnable_sink.dtype)
 
 
 def _with_tensors(params: ScoreParams, alibi_slopes, dropout_seed, device) -> ScoreParams:
@@ -211,7 +227,7 @@ KVCACHE_STEPS = PlanCache()
 
 def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q,
-               seqused_k) -> Optional[tuple]:
+               seqused_k, learnable_sink=None) -> Optional[tuple]:
     """The call key of flash_attn_varlen_func, or None when no plan may serve the call. The host
     maxima key by value; the sequence tensors by layout (a plan serves any lengths under the maxima)."""
     if torch.compiler.is_compiling():  # the ops trace; the key would be traced too
@@ -223,11 +239,11 @@ def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
     optional = tuple(optional_key(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                                                alibi_slopes))
+                                                alibi_slopes, learnable_sink))
     window = window_key(window_size)
     if window is None or None in optional or () in optional[:2]:
         return None
-    if block_table is not None and _needs_grad(q, k, v):
+    if block_table is not None and _needs_grad(q, k, v, learnable_sink):
         return None  # the long way: no backward through a paged cache
     return (tensor_key(q), tensor_key(k), tensor_key(v), max_seqlen_q, max_seqlen_k, optional, dropout_p,
             softmax_scale, causal, window, softcap, deterministic, _settings())
@@ -235,7 +251,7 @@ def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 class VarlenCall:
     """flash_attn_varlen_func of one call signature: ``call(q, k, v, cu_seqlens_q, cu_seqlens_k,
-    seqused_q, seqused_k, block_table, params)`` -> out. As DenseCall, on (total, h, d) tensors; the
+    seqused_q, seqused_k, block_table, params, learnable_sink)`` -> out. As DenseCall, on (total, h, d) tensors; the
     forward plan gets them as they are (a plan reads only its tensors' data pointers, and the
     (1, total, h, d) views of the long way start where they do), the backward gets those views."""
 
@@ -249,14 +265,14 @@ class VarlenCall:
         self.backward_plans = {}
         self.last_seqs = None  # (the sequence tensors, their PackedSeqs): see _seqs
 
-    def call_params(self, alibi_slopes, dropout_seed=None) -> ScoreParams:
-        return _with_tensors(self.params, alibi_slopes, dropout_seed, self.device)
+    def call_params(self, alibi_slopes, learnable_sink=None, dropout_seed=None) -> ScoreParams:
+        return _with_tensors(self.params, alibi_slopes, dropout_seed, self.device).with_sink(learnable_sink)
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                 params: ScoreParams):
+                 params: ScoreParams, learnable_sink=None):
         seqs = self._seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
-        if _needs_grad(q, k, v):
-            return _Replay.apply(self, params, seqs, q, k, v)
+        if _needs_grad(q, k, v, learnable_sink):
+            return _Replay.apply(self, params, seqs, q, k, v, learnable_sink)
         return self.forward(params, seqs, q, k, v)[0]
 
     def _seqs(self, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table) -> PackedSeqs:
@@ -274,13 +290,13 @@ class VarlenCall:
         return seqs
 
     def forward(self, params: ScoreParams, seqs: PackedSeqs, q, k, v) -> tuple:
-        # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
+        # Rows past seqused_q see no key: out 0 and lse -inf (the sink's), like any row without keys.
         if seqs.seqused_q is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         else:
             out = torch.zeros(self.out_shape, dtype=self.dtype, device=self.device)
-            lse = torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=self.device)
+            lse = unused_rows_lse(self.lse_shape, params.learnable_sink, self.device)
         if self.launch is not None:
             self.launch(q, k, v, out, lse, params, seqs)
         else:
@@ -296,15 +312,17 @@ class VarlenCall:
         dq = torch.empty_like(q) if seqs.seqused_q is None else torch.zeros_like(q)
         dk, dv = (torch.empty_like(t) if seqs.seqused_k is None else torch.zeros_like(t) for t in (k, v))
         tensors = (q, k, v, out, dout, lse, dq, dk, dv)
+        dsink = _sink_grad_buffer(params)
         layout = (dout.stride(), dout.data_ptr() % 16 == 0)
         plan = self.backward_plans.get(layout)
         if plan is not None:
-            plan(*tensors, params, seqs)  # the (1, total, h, d) views start where the tensors do
+            plan(*tensors, params, seqs, dsink=dsink)  # the (1, total, h, d) views start where the tensors do
         else:
-            plan = dispatch.attention_backward(*(t.unsqueeze(0) for t in tensors), params, self.deterministic, seqs)
+            plan = dispatch.attention_backward(*(t.unsqueeze(0) for t in tensors), params, self.deterministic, seqs,
+                                               dsink)
             if plan is not None:
                 self.backward_plans[layout] = plan
-        return dq, dk, dv
+        return dq, dk, dv, _sink_grad(dsink, params)
 
 
 VARLEN_CALLS = PlanCache()

@@ -25,10 +25,10 @@ from .kernels.hopper import status as hopper_status
 from .kernels.hopper.tma import qkv_unsupported, tma_aligned, values_supported
 from .kernels.plans import PlanCache, tensor_signature
 from .kernels.plans import enabled as plans_enabled
-# attention_probs: an entry point of the dispatcher that has one path.
-from .kernels.portable.launch import (PortableBackward, PortableForward, SplitForward, attention_probs,  # noqa: F401
-                                      forward_kernel, kvcache_update_plan, launch_forward, launch_preprocess,
-                                      portable_bwd_call, portable_bwd_tensors, row_stats_buffers)
+from .kernels.portable.launch import (PortableBackward, PortableForward, SplitForward, forward_kernel,
+                                      kvcache_update_plan, launch_forward, launch_preprocess, portable_bwd_call,
+                                      portable_bwd_tensors, row_stats_buffers)
+from .kernels.portable.launch import attention_probs as portable_attention_probs
 from .options import PackedSeqs, ScoreParams, grid_lengths
 from .runtime import arch_of, device_capability, empty_allocator, multiprocessor_count, portable_only, validate_enabled
 
@@ -225,9 +225,10 @@ def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optio
 def _rows_from_heads(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> bool:
     """Whether the query heads of each GQA group can run as the rows of their kv head: one query per
     sequence (it sees every key, whatever the right side of the window), no left window, no ALiBi
-    (its slopes are per query head). Packed calls qualify when every sequence has exactly one query
-    (total rows == sequences, each at most one)."""
-    if q.shape[2] == k.shape[2] or params.window_left >= 0 or params.alibi_slopes is not None:
+    and no learnable sink (per query head both: the kernels read them per head, not per row). Packed
+    calls qualify when every sequence has exactly one query (total rows == sequences, each at most one)."""
+    if (q.shape[2] == k.shape[2] or params.window_left >= 0 or params.alibi_slopes is not None
+            or params.learnable_sink is not None):
         return False
     if seqs is None:
         return q.shape[1] == 1
@@ -262,7 +263,9 @@ class DecodeForward:
     (cu_seqlens_k); other packed calls keep their layout. The inner plans are built on views that
     start where the tensors do, so later calls pass the tensors themselves."""
 
-    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], num_splits: int = 0):
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], num_splits: int = 0,
+                 cfg: Optional[Config] = None):
+        """cfg: the decode config (None: the table's; self.cfg is the one used)."""
         self.as_rows = _rows_from_heads(q, k, params, seqs)
         kernel, pack = decode_kernel(q, k, params, seqs)
         self.one_query_each = seqs is not None and seqs.max_seqlen_q == 1 and q.shape[1] == seqs.batch
@@ -282,8 +285,9 @@ class DecodeForward:
         heads = k.shape[2] if pack else q.shape[2]
         tile_rows = rows * (q.shape[2] // k.shape[2] if pack else 1)
         splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, q.device)
-        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
-        self.params = params
+        if cfg is None:
+            cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
+        self.params, self.cfg = params, cfg
         if splits > 1:
             self.plan = SplitForward(q, k, v, out, lse, params, self.seqs, splits, cfg, pack_gqa=pack)
         else:
@@ -305,7 +309,9 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
     """The launch of attention_forward for this call's signature (configs chosen, autotuned if
     asked): a callable taking (q, k, v, out, lse, params, seqs)."""
     if decode_route(q, k, params, seqs) is not None:
-        return DecodeForward(q, k, v, out, lse, params, seqs)
+        table_plan = DecodeForward(q, k, v, out, lse, params, seqs)
+        return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
+                           DecodeForward(q, k, v, out, lse, params, seqs, cfg=c), table_plan.cfg)
     _, _, max_seqlen_k = grid_lengths(q, k, seqs)
     gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
@@ -366,7 +372,7 @@ def _plan_key(params: ScoreParams, seqs: Optional[PackedSeqs], *tensors) -> Opti
         return None
     key = (q.device, portable_only(), params.softmax_scale, params.softcap, params.window_left, params.window_right,
            params.dropout_p, tensor_signature(params.alibi_slopes), tensor_signature(params.dropout_seed),
-           *(tensor_signature(t) for t in tensors))
+           tensor_signature(params.learnable_sink), *(tensor_signature(t) for t in tensors))
     if seqs is not None:
         key += (seqs.max_seqlen_q, seqs.max_seqlen_k,
                 *(tensor_signature(t) for t in (seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q,
@@ -405,15 +411,29 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
             kernel, _ = decode_kernel(q, k, params, seqs)
             cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k,
                              q.dtype)
-        return SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
+        table_plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
+        return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
+                           SplitForward(q, k, v, out, lse, params, seqs, num_splits, c, pack_gqa=pack_gqa),
+                           table_plan.cfg)
     plan = _SPLIT_FORWARD_PLANS.get_or_make(None if plan_key is None else (num_splits, pack_gqa, *plan_key), make)
     plan(q, k, v, out, lse, params, seqs)
     return plan
 
 
+def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
+                    seqs: Optional[PackedSeqs] = None) -> torch.Tensor:
+    """The (b, h, sq, sk) probabilities of the attention whose forward gave ``lse`` (return_attn_probs;
+    kernels/portable/launch.attention_probs), on the forward table's tiles shrunk until they fit."""
+    _, _, max_seqlen_k = grid_lengths(q, k, seqs)
+    cfg = get_config(FWD, arch_of(q.device), q.shape[3], params.causal, max_seqlen_k, q.dtype)
+    return _within_resources(lambda c: portable_attention_probs(q, k, lse, params, dtype, seqs, c), cfg)
+
+
 def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
-                       deterministic: bool = False, seqs: Optional[PackedSeqs] = None) -> Optional[Callable]:
-    """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``.
+                       deterministic: bool = False, seqs: Optional[PackedSeqs] = None,
+                       dsink: Optional[torch.Tensor] = None) -> Optional[Callable]:
+    """dq, dk, dv <- gradients of the attention whose forward gave ``out`` and ``lse``; with a
+    learnable sink (params), dsink (float32, (nheads,)) <- its gradient.
 
     On sm90 the Gluon backward serves plain (full or causal) attention unless
     ``deterministic``: it adds dQ up across key blocks with float32 reductions. Packed batches
@@ -423,6 +443,8 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     are not written (the caller zero-fills them). Returns the plan when one plan did all of it on
     these very tensors (later calls of this signature may run it directly), else None.
     """
+    if dsink is not None and dq.numel() == 0:
+        dsink.zero_()  # no query row: the sink's gradient is an empty sum
     if dq.numel() == 0 and dk.numel() == 0:
         return None
     if dq.numel() == 0 or q.shape[1] == 0:
@@ -435,7 +457,7 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
         plan_key = (deterministic, *plan_key)
         plan = _BACKWARD_PLANS.get(plan_key)
         if plan is not None:
-            plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
+            plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs, dsink=dsink)
             return plan
     arch = arch_of(q.device)
     head_dim = tile_head_dim(q, v)
@@ -443,9 +465,9 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
     pre_cfg = get_config(BWD_PREPROCESS, arch, head_dim, params.causal, max_seqlen_k, q.dtype)
     gluon_cfg = gluon_config(BWD_GLUON, q, k, v, params, seqs, deterministic=deterministic)
     if gluon_cfg is not None:
-        plan = _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params, gluon_cfg, pre_cfg, seqs)
+        plan = _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params, gluon_cfg, pre_cfg, seqs, dsink)
     else:
-        plan = _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, seqs)
+        plan = _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, seqs, dsink)
     if plan_key is None or plan is None:
         return None
     _BACKWARD_PLANS.put(plan_key, plan)
@@ -453,7 +475,7 @@ def attention_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
 
 
 def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gluon_cfg, pre_cfg,
-                    seqs: Optional[PackedSeqs]) -> Optional[object]:
+                    seqs: Optional[PackedSeqs], dsink: Optional[torch.Tensor] = None) -> Optional[object]:
     """attention_backward on the Hopper kernels; returns the plan when one launch on the given
     tensors did it all (no head chunks, no copies: a plan later calls may replay)."""
     from .kernels.hopper.backward_plan import tma_addressable
@@ -467,27 +489,30 @@ def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gl
     chunks = gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim)
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
     for h0, h1, hk0, hk1 in chunks:
-        chunk_params = params
+        chunk_params, chunk_dsink = params, dsink
         if len(chunks) == 1:
             chunk = (q, k, v, out, dout, lse, dq, dk, dv)
         else:
             chunk = (q[:, :, h0:h1], k[:, :, hk0:hk1], v[:, :, hk0:hk1], out[:, :, h0:h1], dout[:, :, h0:h1],
                      lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
-            if params.alibi_slopes is not None:  # the chunk's heads' slopes ((h,) or (b, h))
-                chunk_params = dataclasses.replace(params, alibi_slopes=params.alibi_slopes[..., h0:h1])
+            # The chunk's heads' slopes ((h,) or (b, h)) and sinks.
+            chunk_params = dataclasses.replace(
+                params, alibi_slopes=None if params.alibi_slopes is None else params.alibi_slopes[..., h0:h1],
+                learnable_sink=None if params.learnable_sink is None else params.learnable_sink[h0:h1])
+            chunk_dsink = None if dsink is None else dsink[h0:h1]
 
-        def run_gluon(cfg, chunk=chunk, chunk_params=chunk_params):
-            GluonBackward(*chunk, chunk_params, cfg, pre_cfg, seqs)(*chunk, chunk_params, seqs)
+        def run_gluon(cfg, chunk=chunk, chunk_params=chunk_params, chunk_dsink=chunk_dsink):
+            GluonBackward(*chunk, chunk_params, cfg, pre_cfg, seqs)(*chunk, chunk_params, seqs, dsink=chunk_dsink)
         cfg = _tuned(BWD_GLUON, q, v, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[BWD_GLUON], run_gluon)
         plan = GluonBackward(*chunk, chunk_params, cfg, pre_cfg, seqs)
-        plan(*chunk, chunk_params, seqs)
+        plan(*chunk, chunk_params, seqs, dsink=chunk_dsink)
     if copy_back is not None:
         copy_back()
     return plan if len(chunks) == 1 and dout is dout_given and copy_back is None else None
 
 
 def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg,
-                       seqs: Optional[PackedSeqs]) -> PortableBackward:
+                       seqs: Optional[PackedSeqs], dsink: Optional[torch.Tensor] = None) -> PortableBackward:
     """attention_backward on the portable kernels; returns the plan."""
     arch, head_dim = arch_of(q.device), tile_head_dim(q, v)
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
@@ -517,7 +542,7 @@ def _portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams,
                         lambda c: time_config(BWD_DQ, c))
     def run(dkdv_cfg, dq_cfg):
         plan = PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg, seqs)
-        plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs)
+        plan(q, k, v, out, dout, lse, dq, dk, dv, params, seqs, dsink=dsink)
         return plan
     # (The tables' tiles may not fit float32 inputs, nor a mod's own tiles: shrunk until they do.)
     return _within_resources(run, dkdv_cfg, dq_cfg)
@@ -587,8 +612,8 @@ class KVCacheStep:
     left. Its arguments are the ``flashtile::kvcache_fwd`` op's, spread out (kvcache_attention)."""
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-                 cache_leftpad, block_table, alibi_slopes, softmax_scale: float, softcap: float, causal: int,
-                 window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
+                 cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale: float, softcap: float,
+                 causal: int, window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
         batch, seqlen_q, nheads, _ = q.shape
         seqlen_new = 0 if k is None else k.shape[1]
         paged = block_table is not None
@@ -608,7 +633,7 @@ class KVCacheStep:
         # sees every key whether causal or not, so the rows need no mask between them. Rows are
         # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
         self.rows_from_heads = (seqlen_q == 1 and nheads > nheads_k and window_left < 0 and window_right < 0
-                                and alibi_slopes is None)
+                                and alibi_slopes is None and learnable_sink is None)
         if self.rows_from_heads:
             self.params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
             self.rows, heads = nheads // nheads_k, nheads_k
@@ -629,7 +654,7 @@ class KVCacheStep:
         self.empty = empty_allocator()  # a call plan's key holds the setting; the op's step lives one call
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-                 cache_leftpad, block_table, alibi_slopes) -> tuple:
+                 cache_leftpad, block_table, alibi_slopes, learnable_sink) -> tuple:
         """(out, lse) of q against the cache after the update."""
         if self.rows_table and cache_batch_idx is not None:
             block_table = cache_batch_idx[:, None]
@@ -646,7 +671,7 @@ class KVCacheStep:
         q, seqlens_k = update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
-        params = self.params.with_tensors(alibi_slopes)
+        params = self.params.with_tensors(alibi_slopes).with_sink(learnable_sink)
         out = self.empty((*q.shape[:3], v_cache.shape[-1]), q.dtype, q.device)  # v's head dim
         lse = self.empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
         # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
@@ -668,8 +693,8 @@ class KVCacheStep:
 
 
 def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-                      cache_leftpad, block_table, alibi_slopes, softmax_scale: float, softcap: float, causal: int,
-                      window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
+                      cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale: float, softcap: float,
+                      causal: int, window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
     """The body of the ``flashtile::kvcache_fwd`` op (flash_attn_with_kvcache's arguments checked,
     options resolved, cache_seqlens a tensor): check the contents (CPU, FLASHTILE_VALIDATE=1), then
     one :class:`KVCacheStep`. (out, lse)."""
@@ -685,7 +710,7 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
                                       None if rotary_cos is None else rotary_cos.shape[0], max(rotated_end, 1),
                                       cache_leftpad)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-            block_table, alibi_slopes)
+            block_table, alibi_slopes, learnable_sink)
     step = KVCacheStep(*args, softmax_scale, softcap, causal, window_left, window_right, rotary_interleaved,
                        num_splits)
     return step(*args)

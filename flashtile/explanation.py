@@ -11,11 +11,12 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from . import autotune, checks, runtime
+from . import autotune, checks, runtime, sinks
 from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config, tile_head_dim
 from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision
 from .mods import call_mods
 from .mods import given as mods_given
+from .mods import native_documents
 from .options import PackedSeqs, grid_lengths, packed_seqs, resolve_options
 from .runtime import arch_of, interpreter_enabled
 from .varlen import _check_layout
@@ -74,7 +75,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
             seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
             block_table: Optional[torch.Tensor] = None,
             device_capability: Optional[Tuple[int, int]] = None, score_mod=None, score_mod_bwd=None,
-            mask_mod=None, aux_tensors=None, block_mask=None, attn_bias=None) -> Explanation:
+            mask_mod=None, aux_tensors=None, block_mask=None, attn_bias=None,
+            learnable_sink: Optional[torch.Tensor] = None) -> Explanation:
     """Which kernels ``flash_attn_func`` (dense q, k, v of (b, s, h, d)) or ``flash_attn_varlen_func``
     (packed (total, h, d) with cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k, optionally
     seqused and a paged block_table) would run for these tensors and options, and why. Checks the
@@ -82,7 +84,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
 
     ``device_capability``: (major, minor) of a CUDA device to decide for in place of the tensors'
     own, e.g. (9, 0) to see what an H100 would run from CPU or meta tensors. The mod arguments
-    (score_mod, ..., block_mask, attn_bias) as the calls take them (docs/programmable.md).
+    (score_mod, ..., block_mask, attn_bias) and learnable_sink as the calls take them
+    (docs/programmable.md).
     """
     packed = cu_seqlens_q is not None
     if not packed and any(t is not None for t in (cu_seqlens_k, seqused_q, seqused_k, block_table)):
@@ -104,6 +107,22 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
                          softcap=softcap, alibi_slopes=alibi_slopes, batch=batch, nheads=q.shape[-2],
                          device=q.device, deterministic=deterministic)
     deterministic = bool(deterministic)  # checked there, as the call checks it (bools, numpy bools, 0 / 1)
+    documents = None
+    if not packed and (alibi_slopes is None or (isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 1)):
+        documents = native_documents(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias,
+                                     q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+    if documents is not None:  # as flash_attn_func runs it: the batch's rows end to end, one sequence a document
+        cu_seqlens, longest = documents
+        packed_call = explain(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), causal=causal,
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                              softmax_scale=softmax_scale, deterministic=deterministic, cu_seqlens_q=cu_seqlens,
+                              cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
+                              device_capability=device_capability, learnable_sink=learnable_sink)
+        why = "the document mask as packed sequences (one per document); "
+        return dataclasses.replace(packed_call, forward=dataclasses.replace(packed_call.forward,
+                                                                            reason=why + packed_call.forward.reason),
+                                   backward=dataclasses.replace(packed_call.backward,
+                                                                reason=why + packed_call.backward.reason))
     mods = None
     if mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias):  # as the calls do
         aligned = (cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None and block_table is None
@@ -114,7 +133,9 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
             *lengths, aligned, q.device, attn_bias=attn_bias, deterministic=deterministic, causal=causal,
             window_size=window_size)
     params = resolve_options(q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, batch=batch)
-    params = dataclasses.replace(params, dropout_p=float(dropout_p), mods=mods)
+    if learnable_sink is not None:
+        sinks.check_learnable_sink(learnable_sink, q.shape[-2], q.device)
+    params = dataclasses.replace(params, dropout_p=float(dropout_p), mods=mods).with_sink(learnable_sink)
 
     seqs: Optional[PackedSeqs] = None
     if packed:

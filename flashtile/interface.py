@@ -16,12 +16,14 @@ import torch
 from . import call_plans, checks, ops, sinks
 from .mods import call_mods
 from .mods import given as mods_given
+from .mods import native_documents
 from .options import Mods, resolve_options
+from .varlen import flash_attn_varlen_func
 
 # Calls with score / mask mods run eagerly: the custom ops' schemas cannot carry functions, so under
 # torch.compile they are a graph break (an error with fullgraph=True), not a silent change.
 _dense_attention_eager = torch.compiler.disable(ops.dense_attention)
-_dense_attention_with_extras_eager = torch.compiler.disable(ops.dense_attention_with_extras)
+_dense_attention_with_bias_eager = torch.compiler.disable(ops.dense_attention_with_bias)
 
 
 def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -35,35 +37,21 @@ def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softc
                              deterministic=deterministic, return_attn_probs=return_attn_probs)
     if call_key is not None and call_plans.may_keep(q.device):
         call = call_plans.DENSE_CALLS.put(call_key, call_plans.DenseCall(q, v, params, bool(deterministic)))
-        return call(q, k, v, call.call_params(params.alibi_slopes, params.dropout_seed))
+        return call(q, k, v, call.call_params(params.alibi_slopes, learnable_sink, params.dropout_seed), learnable_sink)
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
     attn_bias = None if mods is None or mods.attn_bias is None else mods.attn_bias.tensor
-    if mods is not None:
-        if learnable_sink is None and attn_bias is None:
-            out, lse = _dense_attention_eager(q, k, v, *tensors, floats, ints, mods)
-        else:
-            out, lse = _dense_attention_with_extras_eager(q, k, v, learnable_sink, attn_bias, *tensors, floats,
-                                                          ints, mods)
-    elif learnable_sink is None:
-        out, lse = ops.dense_attention(q, k, v, *tensors, floats, ints)
+    if attn_bias is not None:
+        out, lse = _dense_attention_with_bias_eager(q, k, v, attn_bias, *tensors, learnable_sink, floats, ints, mods)
+    elif mods is not None:
+        out, lse = _dense_attention_eager(q, k, v, *tensors, learnable_sink, floats, ints, mods)
     else:
-        out, lse = ops.dense_attention_with_extras(q, k, v, learnable_sink, None, *tensors, floats, ints)
+        out, lse = ops.dense_attention(q, k, v, *tensors, learnable_sink, floats, ints)
     if not return_attn_probs:
         return out
-    return out, lse, _probs(q, k, v, lse, None, None, None, None, None, tensors, floats, ints, mods)
-
-
-def _probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors, floats, ints,
-           mods: Optional[Mods] = None):
-    """return_attn_probs: the probabilities from a separate op that has no gradient (testing only)."""
-    detached = (None if t is None else t.detach() for t in (q, k, v))
-    if mods is not None:
-        return ops.attn_probs_body(*detached, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                                   *tensors, floats, ints, mods)
-    return ops.attn_probs(*detached, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, *tensors,
-                          floats, ints)
+    return out, lse, ops.attention_probabilities(q, k, v, lse, None, None, None, None, None, tensors, floats,
+                                                 ints, mods)
 
 
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -97,7 +85,9 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask: programmable attention
             (flashtile.mods: @triton.jit functions that change the scores and the mask, the tensors
             they read, a block mask from flashtile.create_block_mask). They run on the portable
-            kernels, eagerly (a graph break under torch.compile). (flashtile's extension.)
+            kernels, eagerly (a graph break under torch.compile); built-ins that are flash_attn
+            options run as those, a document mask as packed sequences (docs/programmable.md).
+            (flashtile's extension.)
         attn_bias: optional floating-point tensor broadcastable to (batch, nheads, seqlen_q, seqlen_k),
             added to the scores after softmax_scale, softcap and ALiBi; its gradient is returned (in
             its shape, summed over the broadcast dimensions) when it requires grad. O(seqlen^2) memory;
@@ -106,17 +96,29 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
     """
     programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias)
-    key = None if learnable_sink is not None or programmable else call_plans.dense_key(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    key = None if programmable else call_plans.dense_key(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        learnable_sink)
     if key is not None and call_plans.replay_possible():
         call = call_plans.DENSE_CALLS.get(key)
         if call is not None:  # a call of this signature passed every check below
-            return call(q, k, v, call.call_params(alibi_slopes))
+            return call(q, k, v, call.call_params(alibi_slopes, learnable_sink), learnable_sink)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(t, name, 4)
     checks.check_same_dtype_and_device({"q": q, "k": k, "v": v})
     checks.check_qkv_shapes(q, k, v)
     mods = None
+    head_slopes = alibi_slopes is None or (isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 1)
+    # (Packed sequences take (batch, nheads) slopes per sequence: such slopes keep the mask.)
+    if programmable and not return_attn_probs and head_slopes:
+        documents = native_documents(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias,
+                                     q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+        if documents is not None:
+            cu_seqlens, longest = documents
+            out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, cu_seqlens,
+                                         longest, longest, dropout_p, softmax_scale, causal, window_size, softcap,
+                                         alibi_slopes, deterministic, learnable_sink=learnable_sink)
+            return out.unflatten(0, q.shape[:2])
     if programmable:
         mods, softcap, alibi_slopes, causal, window_size = call_mods(
             score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, softcap, alibi_slopes, q.shape[0], q.shape[2],

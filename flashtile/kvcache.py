@@ -120,8 +120,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         step = call_plans.KVCACHE_STEPS.get(key)
         if step is not None:  # a call of this signature passed every check below
             out, lse = _run_step(step, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
-                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
-            return _result(out, lse, learnable_sink, return_softmax_lse)
+                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink)
+            return (out, lse) if return_softmax_lse else out
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         checks.check_tensor(q, "q", 4)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -150,7 +150,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, 0.0, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes).op_args()
     cache_seqlens = _seqlens_tensor(cache_seqlens, q)
     ints = [int(bool(causal)), window_left, window_right, int(bool(rotary_interleaved)), num_splits]
-    extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes]
+    extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink]
     if key is not None and call_plans.may_keep(q.device):
         step = call_plans.KVCACHE_STEPS.put(key, dispatch.KVCacheStep(q, k_cache, v_cache, k, v, cache_seqlens, *extras,
                                                                       softmax_scale, softcap, *ints))
@@ -158,12 +158,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         out, lse = ops.kvcache_attention_call(q, k_cache, v_cache, k, v, cache_seqlens, extras,
                                               [softmax_scale, softcap], ints)
-    return _result(out, lse, learnable_sink, return_softmax_lse)
-
-
-def _result(out, lse, learnable_sink, return_softmax_lse):
-    if learnable_sink is not None:
-        out, lse = sinks.add_sink(out, lse, learnable_sink)
     return (out, lse) if return_softmax_lse else out
 
 

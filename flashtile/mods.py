@@ -29,7 +29,8 @@ from .options import AttnBias, MaskMod, Mods, ScoreMod
 from .triton_compat import is_jit_function
 
 __all__ = ["ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "alibi", "softcap", "relative_bias",
-           "document_mask", "sliding_window", "native_options", "native_window", "given", "call_mods",
+           "document_mask", "sliding_window", "native_options", "native_window", "native_documents", "given",
+           "call_mods",
            "resolve_mods", "resolve_attn_bias"]
 
 
@@ -77,7 +78,61 @@ def document_mask(document_ids: torch.Tensor) -> MaskMod:
     alike: self-attention)."""
     if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 1 or document_ids.is_floating_point():
         raise ValueError("document_ids must be an integer (seqlen,) tensor")
-    return MaskMod(builtin.document_mask, (document_ids.to(torch.int32).contiguous(),))
+    ids = document_ids.to(torch.int32).contiguous()
+    return MaskMod(builtin.document_mask, (ids,), native={"documents": DocumentRuns(ids)})
+
+
+class DocumentRuns:
+    """A document mask's ids as packed sequences: where every document is one run of positions, the
+    mask is attention within each run, which flash_attn_varlen_func computes on the batch's rows laid
+    end to end (on the Hopper kernels where those serve it). The runs are found once per batch size
+    (a host sync) and kept while the ids are not changed in place."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids, self.version, self.layouts = ids, ids._version, {}
+
+    def sequences(self, batch: int) -> Optional[tuple]:
+        """(cu_seqlens int32 (batch * runs + 1,), longest run) of ``batch`` rows of these documents, or
+        None when a document has positions in two runs (the mask is then no set of sequences)."""
+        if self.ids._version != self.version:
+            self.version, self.layouts = self.ids._version, {}
+        if batch not in self.layouts:
+            self.layouts[batch] = self._sequences(batch)
+        return self.layouts[batch]
+
+    def _sequences(self, batch: int) -> Optional[tuple]:
+        ids = self.ids
+        if ids.numel() == 0 or ids.device.type == "meta":
+            return None
+        _, lengths = torch.unique_consecutive(ids, return_counts=True)
+        if torch.unique(ids).numel() != lengths.numel():
+            return None
+        seqlen = ids.numel()
+        ends = torch.cumsum(lengths, 0)[None, :] + seqlen * torch.arange(batch, device=ids.device)[:, None]
+        cu_seqlens = torch.cat([ends.new_zeros(1), ends.flatten()]).to(torch.int32)
+        return cu_seqlens, int(lengths.max())
+
+
+def native_documents(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias, batch: int, nheads: int,
+                     seqlen_q: int, seqlen_k: int, device: torch.device) -> Optional[tuple]:
+    """(cu_seqlens, longest) of a dense call whose only mod is the built-in document_mask (as the
+    mask_mod or as the mask of the block mask), with as many queries and keys as documented positions,
+    when its documents are runs of positions (DocumentRuns): such a call is attention within packed
+    sequences and runs as one. Else None."""
+    if any(x is not None for x in (score_mod, score_mod_bwd, aux_tensors, attn_bias)):
+        return None
+    if (mask_mod is None) == (block_mask is None):
+        return None
+    source = mask_mod if block_mask is None else block_mask
+    native = source.native if isinstance(source, (MaskMod, BlockMask)) else None
+    if native is None or "documents" not in native:
+        return None
+    runs = native["documents"]
+    if not seqlen_q == seqlen_k == runs.ids.numel() or runs.ids.device != device:
+        return None
+    if block_mask is not None:
+        block_mask.check_call(batch, nheads, seqlen_q, seqlen_k, device)
+    return runs.sequences(batch)
 
 
 def sliding_window(left: int, right: int = 0, device=None) -> MaskMod:

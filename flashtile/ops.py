@@ -13,8 +13,9 @@ calls the matching backward op. The public functions reach fwd and varlen_fwd th
 dense_attention / varlen_attention: the ops while torch.compile traces, and in eager mode the same
 bodies and formula in a plain torch.autograd.Function, which skips the custom-op layers' host time;
 flash_attn_with_kvcache reaches kvcache_fwd the same way (kvcache_attention_call). A learnable sink
-(sinks.py) or an attn_bias wraps fwd / varlen_fwd and their backward ops in one more
-autograd.Function (dense_attention_with_extras, varlen_attention_with_extras).
+(sinks.py) is an input of the ops like the ALiBi slopes: the forward kernels take it in, and the
+backward ops return its gradient after q, k, v's. An attn_bias wraps fwd / varlen_fwd and their
+backward ops in one more autograd.Function (dense_attention_with_extras, varlen_attention_with_extras).
 The ops take what the kernels take: options already checked and folded by the public functions
 (softmax_scale resolved, causal folded into window_right = 0), and dropout's seed as an int64
 tensor drawn outside the op, so an op is a function of its inputs and the backward regenerates the
@@ -34,7 +35,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, sinks
+from . import checks
+from .sinks import unused_rows_lse
 from .dispatch import attention_backward, attention_forward, attention_probs, kvcache_attention
 from .options import Mods, ScoreParams, packed_seqs
 from .runtime import empty, empty_like, validate_enabled
@@ -69,24 +71,26 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("flashtile::fwd", mutates_args=())
 def fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optional[Tensor],
-        dropout_seed: Optional[Tensor], floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
-    """out (b, sq, h, dv) (v's head dim), lse (b, h, sq) float32. ints[2] (deterministic) is for the
-    backward (the autograd formula reads it from here)."""
-    return _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints)
+        dropout_seed: Optional[Tensor], learnable_sink: Optional[Tensor], floats: List[float],
+        ints: List[int]) -> Tuple[Tensor, Tensor]:
+    """out (b, sq, h, dv) (v's head dim), lse (b, h, sq) float32 (both with the learnable sink, if
+    any). ints[2] (deterministic) is for the backward (the autograd formula reads it from here)."""
+    return _fwd_body(q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints)
 
 
-def _fwd_body(q, k, v, alibi_slopes, dropout_seed, floats, ints, mods=None):
+def _fwd_body(q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints, mods=None):
     q, k, v = _unpack(q, k, v)
     batch, seqlen_q, nheads, _ = q.shape
     out = empty((batch, seqlen_q, nheads, v.shape[-1]), q.dtype, q.device)
     lse = empty((batch, nheads, seqlen_q), torch.float32, q.device)
-    params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]).with_mods(mods)
+    params = ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1],
+                                      learnable_sink).with_mods(mods)
     attention_forward(q, k, v, out, lse, params)
     return out, lse
 
 
 @fwd.register_fake
-def _(q, k, v, alibi_slopes, dropout_seed, floats, ints):
+def _(q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints):
     q, _, v = _unpack(q, k, v)
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty((batch, nheads, seqlen_q),
@@ -95,39 +99,63 @@ def _(q, k, v, alibi_slopes, dropout_seed, floats, ints):
 
 @torch.library.custom_op("flashtile::bwd", mutates_args=())
 def bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], out: Tensor, lse: Tensor,
-        alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
-        ints: List[int]) -> List[Tensor]:
-    """The gradients of the given ones of q, k, v (a packed input gets one packed gradient)."""
-    return _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints)
+        alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], learnable_sink: Optional[Tensor],
+        floats: List[float], ints: List[int]) -> List[Tensor]:
+    """The gradients of the given ones of q, k, v (a packed input gets one packed gradient), then the
+    learnable sink's if there is one."""
+    return _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink, floats, ints)
 
 
-def _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints, mods=None):
+def _sink_grad_buffer(learnable_sink: Optional[Tensor]) -> Optional[Tensor]:
+    return None if learnable_sink is None else empty(learnable_sink.shape, torch.float32, learnable_sink.device)
+
+
+def _with_sink_grad(grads: List[Tensor], dsink: Optional[Tensor], learnable_sink: Optional[Tensor]) -> List[Tensor]:
+    return grads if dsink is None else grads + [dsink.to(learnable_sink.dtype)]
+
+
+def _fake_grads(q, k, v, learnable_sink) -> List[Tensor]:
+    return [torch.empty_like(t) for t in _given(q, k, v)] + ([] if learnable_sink is None else
+                                                              [torch.empty_like(learnable_sink)])
+
+
+def _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink, floats, ints, mods=None):
     grads = [empty_like(t) for t in _given(q, k, v)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
+    dsink = _sink_grad_buffer(learnable_sink)
     attention_backward(*_unpack(q, k, v), out, _unit_last_stride(dout), lse, *grad_views,
-                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1]).with_mods(mods),
-                       bool(ints[2]))
-    return grads
+                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1],
+                                                learnable_sink).with_mods(mods),
+                       bool(ints[2]), dsink=dsink)
+    return _with_sink_grad(grads, dsink, learnable_sink)
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints):
-    return [torch.empty_like(t) for t in _given(q, k, v)]
+def _(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink, floats, ints):
+    return _fake_grads(q, k, v, learnable_sink)
 
 
 def _setup_fwd(ctx, inputs, output):
     # An eager call with mods (the ops take none) has them as one more input.
-    q, k, v, alibi_slopes, dropout_seed, floats, ints, *mods = inputs
+    q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints, *mods = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink)
     ctx.options = (floats, ints, *mods)
     ctx.mark_non_differentiable(lse)
 
 
+def _gradients(grads, q, k, v, learnable_sink, n_between: int, n_after: int) -> tuple:
+    """An autograd formula's result from a backward op's list: q, k, v's gradients (None for a packed
+    layout's missing ones), None for n_between inputs, the sink's, None for n_after inputs."""
+    grads = iter(grads)
+    qkv = tuple(None if t is None else next(grads) for t in (q, k, v))
+    return qkv + (None,) * n_between + (None if learnable_sink is None else next(grads),) + (None,) * n_after
+
+
 def _fwd_backward(ctx, dout, _dlse, backward=bwd):
-    q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
-    grads = iter(backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, *ctx.options))
-    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * (2 + len(ctx.options))
+    q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink = ctx.saved_tensors
+    grads = backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink, *ctx.options)
+    return _gradients(grads, q, k, v, learnable_sink, 2, len(ctx.options))
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_setup_fwd)
@@ -154,16 +182,17 @@ _EagerDense = _eager_function("_EagerDense", _fwd_body, _setup_fwd, _fwd_backwar
 
 
 def dense_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                    dropout_seed: Optional[Tensor], floats: List[float], ints: List[int],
-                    mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
-    """The fwd op, differentiable: torch.ops.flashtile.fwd while torch.compile traces (one opaque
-    node, AOT autograd sees its backward op), the same bodies through _EagerDense otherwise.
-    ``mods`` (score / mask mods): eager only, the bodies take them (the ops' schemas cannot)."""
+                    dropout_seed: Optional[Tensor], learnable_sink: Optional[Tensor], floats: List[float],
+                    ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
+    """The fwd op, differentiable (in the sink too): torch.ops.flashtile.fwd while torch.compile
+    traces (one opaque node, AOT autograd sees its backward op), the same bodies through _EagerDense
+    otherwise. ``mods`` (score / mask mods): eager only, the bodies take them (the ops' schemas cannot)."""
+    args = (q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints)
     if mods is not None:
-        return _EagerDense.apply(q, k, v, alibi_slopes, dropout_seed, floats, ints, mods)
+        return _EagerDense.apply(*args, mods)
     if torch.compiler.is_compiling():
-        return fwd(q, k, v, alibi_slopes, dropout_seed, floats, ints)
-    return _EagerDense.apply(q, k, v, alibi_slopes, dropout_seed, floats, ints)
+        return fwd(*args)
+    return _EagerDense.apply(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,17 +208,17 @@ def _zero_or_empty(shape, dtype, device, zero: bool) -> Tensor:
 @torch.library.custom_op("flashtile::varlen_fwd", mutates_args=())
 def varlen_fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], block_table: Optional[Tensor],
-               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
-               ints: List[int]) -> Tuple[Tensor, Tensor]:
+               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], learnable_sink: Optional[Tensor],
+               floats: List[float], ints: List[int]) -> Tuple[Tensor, Tensor]:
     """out (total_q, h, d) like q, lse (h, total_q) float32. With block_table, k and v are paged
     caches (forward only). The layout's contents are checked here (they need the device's
     values) on CPU tensors and with FLASHTILE_VALIDATE=1."""
     return _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
-                            dropout_seed, floats, ints)
+                            dropout_seed, learnable_sink, floats, ints)
 
 
 def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
-                     dropout_seed, floats, ints, mods=None):
+                     dropout_seed, learnable_sink, floats, ints, mods=None):
     q, k, v = _unpack(q, k, v)
     max_seqlen_q, max_seqlen_k, window_left, window_right = ints[:4]
     if validate_enabled() or q.device.type == "cpu":
@@ -197,21 +226,21 @@ def _varlen_fwd_body(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
                                         seqused_k, block_table)
     seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
     total_q, nheads, _ = q.shape
-    # Rows past seqused_q see no key: out 0 and lse -inf, like any row without keys.
+    # Rows past seqused_q see no key: out 0 and lse -inf (the sink's logit), like any row without keys.
     out = _zero_or_empty((total_q, nheads, v.shape[-1]), q.dtype, q.device, seqused_q is not None)
-    lse = (torch.full((nheads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
-           if seqused_q is not None else empty((nheads, total_q), torch.float32, q.device))
+    lse = (empty((nheads, total_q), torch.float32, q.device) if seqused_q is None
+           else unused_rows_lse((nheads, total_q), learnable_sink, q.device))
     # The kernels see a packed batch as (1, total, h, d) views.
     k4, v4 = (k, v) if block_table is not None else (k.unsqueeze(0), v.unsqueeze(0))
     attention_forward(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0),
-                      ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right)
-                      .with_mods(mods), seqs)
+                      ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right,
+                                               learnable_sink).with_mods(mods), seqs)
     return out, lse
 
 
 @varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
-      ints):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed,
+      learnable_sink, floats, ints):
     q, _, v = _unpack(q, k, v)
     total_q, nheads, _ = q.shape
     return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
@@ -220,40 +249,41 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, al
 @torch.library.custom_op("flashtile::varlen_bwd", mutates_args=())
 def varlen_bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], out: Tensor, lse: Tensor,
                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
-               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], floats: List[float],
-               ints: List[int]) -> List[Tensor]:
+               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], learnable_sink: Optional[Tensor],
+               floats: List[float], ints: List[int]) -> List[Tensor]:
     """Gradients as :func:`bwd`; tokens past seqused get a zero gradient (the kernels skip them)."""
     return _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                            alibi_slopes, dropout_seed, floats, ints)
+                            alibi_slopes, dropout_seed, learnable_sink, floats, ints)
 
 
 def _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                     dropout_seed, floats, ints, mods=None):
+                     dropout_seed, learnable_sink, floats, ints, mods=None):
     max_seqlen_q, max_seqlen_k, window_left, window_right, deterministic = ints
     seqs = packed_seqs(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None, max_seqlen_q, max_seqlen_k)
     # A packed qkv has one cu_seqlens (no seqused); a packed kv follows the keys.
     zero = [seqused_q is not None, seqused_k is not None, seqused_k is not None]
     grads = [torch.zeros_like(t) if z else empty_like(t) for t, z in zip(_given(q, k, v), zero)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
+    dsink = _sink_grad_buffer(learnable_sink)
     attention_backward(*(t.unsqueeze(0) for t in _unpack(q, k, v)), out.unsqueeze(0),
                        _unit_last_stride(dout).unsqueeze(0), lse.unsqueeze(0), *(g.unsqueeze(0) for g in grad_views),
-                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right)
-                       .with_mods(mods), bool(deterministic), seqs)
-    return grads
+                       ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right,
+                                                learnable_sink).with_mods(mods), bool(deterministic), seqs, dsink)
+    return _with_sink_grad(grads, dsink, learnable_sink)
 
 
 @varlen_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed, floats,
-      ints):
-    return [torch.empty_like(t) for t in _given(q, k, v)]
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, dropout_seed,
+      learnable_sink, floats, ints):
+    return _fake_grads(q, k, v, learnable_sink)
 
 
 def _setup_varlen_fwd(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
-     ints, *mods) = inputs  # mods: as _setup_fwd's
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed,
+     learnable_sink, floats, ints, *mods) = inputs  # mods: as _setup_fwd's
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                          dropout_seed)
+                          dropout_seed, learnable_sink)
     ctx.paged = block_table is not None
     ctx.options = (floats, ints, *mods)
     ctx.mark_non_differentiable(lse)
@@ -277,13 +307,13 @@ def _(dout, q, k, v):
 
 
 def _varlen_fwd_backward(ctx, dout, _dlse, backward=varlen_bwd):
-    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed, learnable_sink = ctx.saved_tensors
     if ctx.paged:
         # Gradients for all three, so the op stays in a compiled backward whichever input needs one.
-        return (*paged_no_backward(dout, q, k, v),) + (None,) * (7 + len(ctx.options))
-    grads = iter(backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed,
-                          *ctx.options))
-    return (*(None if t is None else next(grads) for t in (q, k, v)),) + (None,) * (7 + len(ctx.options))
+        return (*paged_no_backward(dout, q, k, v),) + (None,) * (8 + len(ctx.options))
+    grads = backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, alibi_slopes, dropout_seed,
+                     learnable_sink, *ctx.options)
+    return _gradients(grads, q, k, v, learnable_sink, 7, len(ctx.options))
 
 
 varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_setup_varlen_fwd)
@@ -296,10 +326,11 @@ _EagerVarlen = _eager_function("_EagerVarlen", _varlen_fwd_body, _setup_varlen_f
 def varlen_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
                      block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor],
-                     floats: List[float], ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
+                     learnable_sink: Optional[Tensor], floats: List[float], ints: List[int],
+                     mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
     """The varlen_fwd op, differentiable (see dense_attention)."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed,
-            floats, ints)
+            learnable_sink, floats, ints)
     if mods is not None:
         return _EagerVarlen.apply(*args, mods)
     if torch.compiler.is_compiling():
@@ -308,112 +339,87 @@ def varlen_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seq
 
 
 # ---------------------------------------------------------------------------------------------
-# Learnable sinks (sinks.py) and attn_bias (options.AttnBias), on the ops above
+# attn_bias (options.AttnBias), on the op bodies above
 # ---------------------------------------------------------------------------------------------
 
-class _ExtrasOp:
-    """How _ExtrasAttention runs one op: ``forward(*inputs)`` -> (out, lse), ``backward(dout, out, lse,
-    *inputs)`` -> the gradients of the given ones of q, k, v (the op's bodies in eager mode, the ops
-    while torch.compile traces)."""
+class _BiasedOp:
+    """How _BiasAttention runs one op's bodies: ``forward(*inputs)`` -> (out, lse), ``backward(dout, out,
+    lse, *inputs)`` -> the op's backward list; ``sink_at``: where the learnable sink is among the inputs."""
 
-    def __init__(self, forward_op, forward_body, backward):
-        self.forward_op, self.forward_body, self.backward = forward_op, forward_body, backward
-
-    def forward(self, *inputs):
-        return (self.forward_op if torch.compiler.is_compiling() else self.forward_body)(*inputs)
+    def __init__(self, forward, backward, sink_at: int):
+        self.forward, self.backward, self.sink_at = forward, backward, sink_at
 
 
-def _dense_extras_backward(dout, out, lse, q, k, v, alibi_slopes, dropout_seed, floats, ints, *mods):
-    backward = bwd if torch.compiler.is_compiling() else _bwd_body
-    return backward(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, floats, ints, *mods)
+def _dense_biased_backward(dout, out, lse, q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints, mods):
+    return _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink, floats, ints, mods)
 
 
-def _varlen_extras_backward(dout, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                            alibi_slopes, dropout_seed, floats, ints, *mods):
+def _varlen_biased_backward(dout, out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                            alibi_slopes, dropout_seed, learnable_sink, floats, ints, mods):
     if block_table is not None:
         return paged_no_backward(dout, *_unpack(q, k, v))
-    backward = varlen_bwd if torch.compiler.is_compiling() else _varlen_bwd_body
-    return backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
-                    dropout_seed, floats, ints, *mods)
+    return _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                            dropout_seed, learnable_sink, floats, ints, mods)
 
 
-_DENSE_EXTRAS = _ExtrasOp(fwd, _fwd_body, _dense_extras_backward)
-_VARLEN_EXTRAS = _ExtrasOp(varlen_fwd, _varlen_fwd_body, _varlen_extras_backward)
+_DENSE_BIASED = _BiasedOp(_fwd_body, _dense_biased_backward, 5)
+_VARLEN_BIASED = _BiasedOp(_varlen_fwd_body, _varlen_biased_backward, 10)
 
 
-class _ExtrasAttention(torch.autograd.Function):
-    """An attention op with inputs whose gradients the op's own backward does not give: a learnable
-    sink per query head and an attn_bias (the score mod of the op's mods; with ``with_bias`` the
-    tensor itself comes after the op's inputs, for autograd. No None stands in for it: torch.compile
-    traces calls with a sink, and the bias runs eagerly).
+class _BiasAttention(torch.autograd.Function):
+    """An op's bodies with an attn_bias (the score mod of the op's mods), whose gradient the op's own
+    backward does not give: the bias tensor comes after the op's inputs (mods last among them), for
+    autograd. Eager only (mods cannot pass through the ops' schemas).
 
-    Forward: the op's, then out and lse rescaled for the sink (sinks.add_sink). Backward: the op's own
-    on that out and lse, its dQ kernel adding up the bias's gradient (AttnBias.backward_mods), and
-    the sink's gradient (sinks.sink_grad). Returns (out, lse), lse with the sink."""
+    Forward: the op's. Backward: the op's own, its dQ kernel adding up the bias's gradient
+    (AttnBias.backward_mods), and the learnable sink's gradient from the op's list. Returns (out, lse)."""
 
     @staticmethod
-    def forward(ctx, op: _ExtrasOp, sink, with_bias: bool, *inputs):
-        if with_bias:
-            inputs = inputs[:-1]
+    def forward(ctx, op: _BiasedOp, *inputs):
+        inputs = inputs[:-1]
         out, lse = op.forward(*inputs)
-        if sink is not None:
-            out, lse = sinks.add_sink(out, lse, sink)
-        ctx.op, ctx.with_bias = op, with_bias
+        ctx.op = op
         ctx.tensor_at = [i for i, x in enumerate(inputs) if isinstance(x, Tensor)]
         ctx.others = [None if isinstance(x, Tensor) else x for x in inputs]
-        ctx.save_for_backward(sink, out, lse, *(inputs[i] for i in ctx.tensor_at))
+        ctx.save_for_backward(out, lse, *(inputs[i] for i in ctx.tensor_at))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        sink, out, lse, *tensors = ctx.saved_tensors
+        out, lse, *tensors = ctx.saved_tensors
         inputs = list(ctx.others)
         for i, t in zip(ctx.tensor_at, tensors):
             inputs[i] = t
-        dout = _unit_last_stride(dout)
-        bias_grad = []
-        if ctx.with_bias:
-            bias_grad = [None]
-            if ctx.needs_input_grad[-1]:
-                inputs[-1], accumulated = inputs[-1].attn_bias.backward_mods(inputs[-1])
-        grads = iter(ctx.op.backward(dout, out, lse, *inputs))
-        qkv_grads = [None if t is None else next(grads) for t in inputs[:3]]
-        sink_grad = sinks.sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[1] else None
-        if ctx.with_bias and ctx.needs_input_grad[-1]:
-            bias_grad = [inputs[-1].attn_bias.grad(accumulated)]
-        return (None, sink_grad, None, *qkv_grads, *(None,) * (len(inputs) - 3), *bias_grad)
+        mods, accumulated = inputs[-1], None
+        if ctx.needs_input_grad[-1]:
+            inputs[-1], accumulated = mods.attn_bias.backward_mods(mods)
+        grads = ctx.op.backward(_unit_last_stride(dout), out, lse, *inputs)
+        sink_at = ctx.op.sink_at
+        result = _gradients(grads, *inputs[:3], inputs[sink_at], sink_at - 3, len(inputs) - sink_at - 1)
+        bias_grad = None if accumulated is None else mods.attn_bias.grad(accumulated)
+        return (None, *result, bias_grad)
 
 
-def dense_attention_with_extras(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], learnable_sink: Optional[Tensor],
-                                attn_bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                                dropout_seed: Optional[Tensor], floats: List[float], ints: List[int],
-                                mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
-    """dense_attention with a learnable sink (sinks.py) and / or an attn_bias (``mods.attn_bias``
-    resolved from it), differentiable in q, k, v and both."""
-    return _ExtrasAttention.apply(_DENSE_EXTRAS, learnable_sink, attn_bias is not None, q, k, v, alibi_slopes,
-                                  dropout_seed, floats, ints, *_given_mods(mods), *_given_bias(attn_bias))
+def dense_attention_with_bias(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], attn_bias: Tensor,
+                              alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor],
+                              learnable_sink: Optional[Tensor], floats: List[float], ints: List[int],
+                              mods: Mods) -> Tuple[Tensor, Tensor]:
+    """dense_attention with an attn_bias (``mods.attn_bias`` resolved from it), differentiable in q, k, v,
+    the sink and the bias. Eager only."""
+    return _BiasAttention.apply(_DENSE_BIASED, q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints,
+                                mods, attn_bias)
 
 
-def varlen_attention_with_extras(q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
-                                 learnable_sink: Optional[Tensor], attn_bias: Optional[Tensor], cu_seqlens_q: Tensor,
-                                 cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
-                                 block_table: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                                 dropout_seed: Optional[Tensor], floats: List[float], ints: List[int],
-                                 mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
-    """varlen_attention with a learnable sink and / or an attn_bias (dense_attention_with_extras)."""
-    return _ExtrasAttention.apply(_VARLEN_EXTRAS, learnable_sink, attn_bias is not None, q, k, v, cu_seqlens_q,
-                                  cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes, dropout_seed, floats,
-                                  ints, *_given_mods(mods), *_given_bias(attn_bias))
-
-
-def _given_bias(attn_bias: Optional[Tensor]) -> tuple:
-    return () if attn_bias is None else (attn_bias,)
-
-
-def _given_mods(mods: Optional[Mods]) -> tuple:
-    """The trailing input an eager op body takes for mods: none without them."""
-    return () if mods is None else (mods,)
+def varlen_attention_with_bias(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], attn_bias: Tensor,
+                               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
+                               seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+                               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor],
+                               learnable_sink: Optional[Tensor], floats: List[float], ints: List[int],
+                               mods: Mods) -> Tuple[Tensor, Tensor]:
+    """varlen_attention with an attn_bias (dense_attention_with_bias)."""
+    return _BiasAttention.apply(_VARLEN_BIASED, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                block_table, alibi_slopes, dropout_seed, learnable_sink, floats, ints, mods, attn_bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +460,19 @@ def _(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_tabl
     return q.new_empty((cu_seqlens_q.shape[0] - 1, q.shape[1], ints[0], ints[1]))
 
 
+def attention_probabilities(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, tensors,
+                            floats, ints, mods: Optional[Mods] = None) -> Tensor:
+    """return_attn_probs for the public functions: the probabilities from attn_probs (its body, for
+    eager calls with mods), which has no gradient (testing only). ``tensors``: (alibi_slopes,
+    dropout_seed)."""
+    detached = (None if t is None else t.detach() for t in (q, k, v))
+    if mods is not None:
+        return attn_probs_body(*detached, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                               *tensors, floats, ints, mods)
+    return attn_probs(*detached, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, *tensors,
+                      floats, ints)
+
+
 # ---------------------------------------------------------------------------------------------
 # kv cache (inference)
 # ---------------------------------------------------------------------------------------------
@@ -464,9 +483,9 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
                 ints: List[int]) -> Tuple[Tensor, Tensor]:
     """out (b, sq, h, d) like q and lse (b, h, sq) float32 of q against the cache after the new k,
     v (if given) are written into k_cache, v_cache in place; see flash_attn_with_kvcache.
-    extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes] (one
-    list argument: this op runs per layer per decoded token, and its version-counter bump re-reads
-    the schema per argument); floats = [softmax_scale, softcap]; ints = [causal, window_left,
+    extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+    learnable_sink] (one list argument: this op runs per layer per decoded token, and its version-counter
+    bump re-reads the schema per argument); floats = [softmax_scale, softcap]; ints = [causal, window_left,
     window_right, rotary_interleaved, num_splits] (the user's window: causal is not folded in)."""
 
     return kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints)
@@ -483,8 +502,8 @@ def kvcache_attention_call(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
                            cache_seqlens: Tensor, extras: List[Optional[Tensor]], floats: List[float],
                            ints: List[int]) -> Tuple[Tensor, Tensor]:
     """The kvcache_fwd op while torch.compile traces; in eager mode its body, called directly (the
-    custom-op layers cost more host time per call than a short cache's kernels take), with the version-counter bump of k_cache and v_cache that the op's
-    mutates_args would give."""
+    custom-op layers cost more host time per call than a short cache's kernels take), with the
+    version-counter bump of k_cache and v_cache that the op's mutates_args would give."""
     if torch.compiler.is_compiling():
         return kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints)
     result = kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints)

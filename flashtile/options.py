@@ -132,6 +132,8 @@ class ScoreParams:
     window_left / window_right: -1 means unbounded; causal is window_right = 0.
     alibi_slopes: fp32 (nheads,) or (batch, nheads), or None.
     dropout_seed: int64 tensor of one element on the inputs' device, or None.
+    learnable_sink: floating-point (nheads,) sink logits (unit stride), or None: not a score option, but
+    the forward kernels take it into out and lse, and the backward gives its gradient (kernels/*/sink.py).
     """
 
     softmax_scale: float
@@ -142,6 +144,7 @@ class ScoreParams:
     dropout_p: float = 0.0
     dropout_seed: Optional[torch.Tensor] = None
     mods: Optional[Mods] = None
+    learnable_sink: Optional[torch.Tensor] = None
 
     @property
     def causal(self) -> bool:
@@ -173,12 +176,19 @@ class ScoreParams:
                 self.window_left, self.window_right)
 
     @classmethod
-    def from_op_args(cls, alibi_slopes, dropout_seed, floats, window_left, window_right) -> "ScoreParams":
-        """The inverse of :meth:`op_args`, inside the ops."""
+    def from_op_args(cls, alibi_slopes, dropout_seed, floats, window_left, window_right,
+                     learnable_sink: Optional[torch.Tensor] = None) -> "ScoreParams":
+        """The inverse of :meth:`op_args`, inside the ops (with the op's learnable sink, if any)."""
         softmax_scale, softcap, dropout_p = floats
         params = cls(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left, window_right=window_right,
                      dropout_p=dropout_p)
-        return params.with_tensors(alibi_slopes, dropout_seed if dropout_p > 0 else None)
+        return params.with_tensors(alibi_slopes, dropout_seed if dropout_p > 0 else None).with_sink(learnable_sink)
+
+    def with_sink(self, learnable_sink: Optional[torch.Tensor]) -> "ScoreParams":
+        """These options with a call's learnable sink logits (given unit-stride to the kernels)."""
+        if learnable_sink is None:
+            return self
+        return dataclasses.replace(self, learnable_sink=learnable_sink.detach().contiguous())
 
     def with_tensors(self, alibi_slopes: Optional[torch.Tensor],
                      dropout_seed: Optional[torch.Tensor] = None) -> "ScoreParams":

@@ -3,16 +3,15 @@ no value attached, so a row may give part of its weight to nothing.
 
 With the sink s_h, row i's probabilities are exp(S_ij - L_i) over its keys and exp(s_h - L_i) for
 the sink, where L_i = logaddexp(lse_i, s_h) and lse_i is the row's logsumexp without the sink. The
-kernels compute out and lse without it; the sink then scales out by exp(lse_i - L_i) and replaces
-lse by L. The kernels' backward run on that out and L is exact for the keys (the sink's column
-adds nothing to O, so delta_i = rowsum(dO_i * O_i) is unchanged), and the sink's gradient is
--sum_i exp(s_h - L_i) delta_i over the rows of head h. A row that sees no key gets out 0 and
-lse = s_h. These are a few elementwise passes over out and lse, outside the kernels."""
+forward kernels take the sink in as one more key with no value (kernels/portable/sink.py,
+kernels/hopper/sink.py) and return out and L. The backward kernels on that out and L are exact for
+the keys (the sink adds nothing to O, so delta_i = rowsum(dO_i * O_i) is unchanged), and the sink's
+gradient, -sum_i exp(s_h - L_i) delta_i over the rows of head h, comes from the backward's preprocess,
+which has delta. A row that sees no key gets out 0 and lse = s_h. This module checks the argument."""
 
-from typing import Tuple
+from typing import Optional
 
 import torch
-from torch import Tensor
 
 
 def check_learnable_sink(learnable_sink, nheads: int, device: torch.device) -> None:
@@ -29,28 +28,9 @@ def check_learnable_sink(learnable_sink, nheads: int, device: torch.device) -> N
         raise ValueError(f"learnable_sink is on {learnable_sink.device} but q is on {device}")
 
 
-def _rows(t: Tensor) -> Tensor:
-    """A (..., heads, rows) tensor of lse's layout as (..., rows, heads), out's order."""
-    return t.movedim(-2, -1)
-
-
-def add_sink(out: Tensor, lse: Tensor, sink: Tensor) -> Tuple[Tensor, Tensor]:
-    """out (..., rows, heads, d) and lse (..., heads, rows) of attention without the sink -> with it:
-    out scaled in place, a new lse (float32, in its layout)."""
-    with_sink = torch.logaddexp(lse, sink.float().unsqueeze(-1))
-    # A row with no key and a sink of -inf: both -inf; the clamp makes its scale 0, not NaN.
-    scale = torch.exp(lse - with_sink.clamp(min=torch.finfo(torch.float32).min))
-    # In place (out is the op's fresh output): one pass, products in float32, rounded once. Not while
-    # torch.compile traces: inductor's backward then saw the op's out from before the rescale.
-    if torch.compiler.is_compiling():
-        return (out * _rows(scale).unsqueeze(-1)).to(out.dtype), with_sink
-    return out.mul_(_rows(scale).unsqueeze(-1)), with_sink
-
-
-def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
-    """The sink's gradient, of sink's dtype, from out and lse with the sink (add_sink's)."""
-    # rowsum(dO * O) in float32 (products rounded to bf16 / fp16 cost the sink's gradient a few 1e-4),
-    # from one float32 copy multiplied in place (a copy even when out is float32: out is saved).
-    delta = out.to(torch.float32, copy=True).mul_(dout).sum(-1)  # (..., rows, heads)
-    sink_probs = _rows(torch.exp(sink.float().unsqueeze(-1) - lse))
-    return -(sink_probs * delta).reshape(-1, sink.shape[0]).sum(0).to(sink.dtype)
+def unused_rows_lse(shape: tuple, learnable_sink: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A packed call's float32 lse (nheads, total_q) for rows past seqused_q, which the kernels leave
+    alone: -inf (no key), or each head's sink logit with a learnable sink."""
+    if learnable_sink is None:
+        return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+    return learnable_sink.detach().to(torch.float32)[:, None].expand(shape).contiguous()

@@ -10,14 +10,13 @@ from typing import Optional, Tuple
 import torch
 
 from . import call_plans, checks, ops, sinks
-from .interface import _probs
 from .mods import call_mods
 from .mods import given as mods_given
 from .options import Mods, resolve_options
 
 # As interface.py's: calls with mods run eagerly (a graph break under torch.compile).
 _varlen_attention_eager = torch.compiler.disable(ops.varlen_attention)
-_varlen_attention_with_extras_eager = torch.compiler.disable(ops.varlen_attention_with_extras)
+_varlen_attention_with_bias_eager = torch.compiler.disable(ops.varlen_attention_with_bias)
 
 
 def _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
@@ -60,25 +59,22 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         call = call_plans.VARLEN_CALLS.put(call_key, call_plans.VarlenCall(q, v, params, max_seqlen_q, max_seqlen_k,
                                                                            bool(deterministic)))
         return call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                    call.call_params(params.alibi_slopes, params.dropout_seed))
+                    call.call_params(params.alibi_slopes, learnable_sink, params.dropout_seed), learnable_sink)
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
     layout = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
     attn_bias = None if mods is None or mods.attn_bias is None else mods.attn_bias.tensor
-    if mods is not None:
-        if learnable_sink is None and attn_bias is None:
-            out, lse = _varlen_attention_eager(q, k, v, *layout, *tensors, floats, ints, mods)
-        else:
-            out, lse = _varlen_attention_with_extras_eager(q, k, v, learnable_sink, attn_bias, *layout, *tensors,
-                                                           floats, ints, mods)
-    elif learnable_sink is None:
-        out, lse = ops.varlen_attention(q, k, v, *layout, *tensors, floats, ints)
+    if attn_bias is not None:
+        out, lse = _varlen_attention_with_bias_eager(q, k, v, attn_bias, *layout, *tensors, learnable_sink, floats,
+                                                     ints, mods)
+    elif mods is not None:
+        out, lse = _varlen_attention_eager(q, k, v, *layout, *tensors, learnable_sink, floats, ints, mods)
     else:
-        out, lse = ops.varlen_attention_with_extras(q, k, v, learnable_sink, None, *layout, *tensors, floats, ints)
+        out, lse = ops.varlen_attention(q, k, v, *layout, *tensors, learnable_sink, floats, ints)
     if not return_attn_probs:
         return out
-    return out, lse, _probs(q, k, v, lse, *layout, tensors, floats, ints, mods)
+    return out, lse, ops.attention_probabilities(q, k, v, lse, *layout, tensors, floats, ints, mods)
 
 
 def _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned: bool, *mod_args_and_options,
@@ -131,14 +127,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)) with return_attn_probs.
     """
     programmable = mods_given(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, attn_bias)
-    key = None if learnable_sink is not None or programmable else call_plans.varlen_key(
+    key = None if programmable else call_plans.varlen_key(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-        softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k)
+        softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k, learnable_sink)
     if key is not None and call_plans.replay_possible():
         call = call_plans.VARLEN_CALLS.get(key)
         if call is not None:  # a call of this signature passed every check below
             return call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                        call.call_params(alibi_slopes))
+                        call.call_params(alibi_slopes, learnable_sink), learnable_sink)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table)
     mods = None
     if programmable:  # queries line up with keys when both sides share one cu_seqlens and use every token

@@ -102,6 +102,24 @@ def test_float32_wide_heads(head_dim, causal):
     check_against_reference(flash_attn_func, q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_float32_wide_heads_decoding(head_dim):
+    """The same for decode-shaped calls (the decode kernels, split-KV and its combine), through
+    flash_attn_func and flash_attn_with_kvcache: their plans shrink too."""
+    import flashtile
+    from flashtile.reference import attention_naive
+
+    q, k, v = make_qkv(2, 1, 300, 4, 2, head_dim, torch.float32)
+    check_against_reference(flash_attn_func, q, k, v, causal=True)
+    with torch.no_grad():
+        seqlens = torch.tensor([300, 77], dtype=torch.int32, device=DEVICE)
+        out = flashtile.flash_attn_with_kvcache(q, k.detach(), v.detach(), cache_seqlens=seqlens, num_splits=3)
+        for b in range(2):
+            n = int(seqlens[b])
+            expected, _ = attention_naive(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+            torch.testing.assert_close(out[b:b + 1].double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_gluon_head_chunks_cover_whole_kv_groups():
     from flashtile.kernels.hopper.launch import GLUON_DQ_CHUNK_BYTES, gluon_head_chunks
 

@@ -63,19 +63,22 @@ def _agree(reference, *others, grads_from=None):
 
 
 def _dense_run(q, k, v, dout, **options):
+    inputs = (q, k, v) + (() if options.get("learnable_sink") is None else (options["learnable_sink"],))
+
     def run():
         out = flashtile.flash_attn_func(q, k, v, **options)
         if dout is None:
             return (out,)
-        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+        return (out, *torch.autograd.grad(out, inputs, dout))
     return run
 
 
 @pytest.mark.parametrize("case", ["causal", "gqa_window", "softcap", "alibi", "alibi_batch", "dropout", "decode",
-                                  "no_grad"])
+                                  "sink", "decode_sink", "no_grad"])
 def test_dense(planned, monkeypatch, case):
     dtype = DTYPES[0]
-    shapes = {"gqa_window": (2, 70, 90, 4, 2), "decode": (3, 1, 150, 8, 2)}.get(case, (2, 65, 80, 2, 2))
+    shapes = {"gqa_window": (2, 70, 90, 4, 2), "decode": (3, 1, 150, 8, 2),
+              "decode_sink": (3, 1, 150, 8, 2)}.get(case, (2, 65, 80, 2, 2))
     q, k, v = make_qkv(*shapes, 64, dtype, requires_grad=case != "no_grad")
     dout = None if case == "no_grad" else randn(*q.shape, dtype=dtype)
     options = {"causal": case != "gqa_window"}
@@ -87,6 +90,8 @@ def test_dense(planned, monkeypatch, case):
         options["alibi_slopes"] = torch.rand(*q.shape[:1] * (case == "alibi_batch"), q.shape[2], device=DEVICE)
     elif case == "dropout":
         options["dropout_p"] = 0.2
+    elif case.endswith("sink"):  # its gradient too, from the replayed backward
+        options["learnable_sink"] = torch.randn(q.shape[2], device=DEVICE, requires_grad=True)
     results = _three_ways(monkeypatch, planned, _dense_run(q, k, v, dout, **options))
     _agree(*results, grads_from=1)
     assert len(call_plans.DENSE_CALLS.plans) == 1
@@ -128,7 +133,7 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
 
-@pytest.mark.parametrize("case", ["causal", "seqused", "one_query_each", "no_grad"])
+@pytest.mark.parametrize("case", ["causal", "seqused", "one_query_each", "seqused_sink", "no_grad"])
 def test_varlen(planned, monkeypatch, case):
     dtype = DTYPES[0]
     lengths_q, lengths_k = ([1, 1, 1] if case == "one_query_each" else [30, 1, 47]), [40, 9, 60]
@@ -137,15 +142,18 @@ def test_varlen(planned, monkeypatch, case):
     q = randn(sum(lengths_q), 4, 64, dtype=dtype, requires_grad=grad)
     k, v = (randn(sum(lengths_k), 2, 64, dtype=dtype, requires_grad=grad) for _ in range(2))
     dout = randn(*q.shape, dtype=dtype) if grad else None
-    used = {}
-    if case == "seqused":
+    used, inputs = {}, (q, k, v)
+    if case.startswith("seqused"):
         used = {"seqused_q": torch.tensor([20, 1, 40], dtype=torch.int32, device=DEVICE),
                 "seqused_k": torch.tensor([33, 9, 50], dtype=torch.int32, device=DEVICE)}
+    if case.endswith("sink"):
+        used["learnable_sink"] = torch.randn(4, device=DEVICE, requires_grad=True)
+        inputs += (used["learnable_sink"],)
 
     def run():
         out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
                                                **used)
-        return (out,) if dout is None else (out, *torch.autograd.grad(out, (q, k, v), dout))
+        return (out,) if dout is None else (out, *torch.autograd.grad(out, inputs, dout))
     _agree(*_three_ways(monkeypatch, planned, run), grads_from=1)
     assert len(call_plans.VARLEN_CALLS.plans) == 1
 

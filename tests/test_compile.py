@@ -24,9 +24,11 @@ SEQLEN, HEAD_DIM = (256, 64) if ON_GPU else (16, 32)
 OPS = torch.ops.flashtile
 
 # What the ops take after the public functions folded the options (flashtile/ops.py):
-# alibi_slopes, dropout_seed, floats = [softmax_scale, softcap, dropout_p], and ints = [window_left,
-# window_right, deterministic], with [max_seqlen_q, max_seqlen_k] in front for varlen.
-PLAIN = (None, None, [HEAD_DIM ** -0.5, 0.0, 0.0])
+# alibi_slopes, dropout_seed, learnable_sink, floats = [softmax_scale, softcap, dropout_p], and
+# ints = [window_left, window_right, deterministic], with [max_seqlen_q, max_seqlen_k] in front for
+# varlen. attn_probs takes no sink: PROBS_PLAIN.
+PLAIN = (None, None, None, [HEAD_DIM ** -0.5, 0.0, 0.0])
+PROBS_PLAIN = (None, None, [HEAD_DIM ** -0.5, 0.0, 0.0])
 CAUSAL = [-1, 0, 1]
 
 
@@ -35,7 +37,7 @@ def _seed():
 
 
 def _dropout(p=0.2):
-    return (None, _seed(), [HEAD_DIM ** -0.5, 0.0, p])
+    return (None, _seed(), None, [HEAD_DIM ** -0.5, 0.0, p])
 
 
 def _tol(dtype):
@@ -80,7 +82,7 @@ def test_opcheck_dense_dropout_and_probs():
     with torch.no_grad():
         out, lse = OPS.fwd(q, k, v, *options, [-1, -1, 0])
     torch.library.opcheck(OPS.attn_probs.default, (q.detach(), k.detach(), v.detach(), lse, None, None, None, None,
-                                                   None, *options, [-1, -1, 0]))
+                                                   None, *options[:2], options[3], [-1, -1, 0]))
 
 
 def _varlen_inputs(lengths_q, lengths_k, dtype, requires_grad=True):
@@ -104,7 +106,31 @@ def test_opcheck_varlen():
         torch.library.opcheck(OPS.varlen_bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
                                                        out, lse, cu_q, cu_k, None, seqused_k, *PLAIN, ints))
     torch.library.opcheck(OPS.attn_probs.default, (q.detach(), k.detach(), v.detach(), lse, cu_q, cu_k, None, None,
-                                                   None, *PLAIN, ints))
+                                                   None, *PROBS_PLAIN, ints))
+
+
+def test_opcheck_learnable_sink():
+    """A learnable sink is an input of the ops: the backward ops return its gradient after q, k, v's."""
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN - 3, 2, 1, HEAD_DIM, torch.float32)
+    sink = torch.randn(2, device=DEVICE, requires_grad=True)
+    options = (None, None, sink, PLAIN[3])
+    torch.library.opcheck(OPS.fwd.default, (q, k, v, *options, CAUSAL))
+    with torch.no_grad():
+        out, lse = OPS.fwd(q, k, v, *options, CAUSAL)
+    # The backward ops have no backward: their inputs are detached.
+    detached = (None, None, sink.detach(), PLAIN[3])
+    grads = OPS.bwd(torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, *detached, CAUSAL)
+    assert len(grads) == 4 and grads[3].shape == sink.shape
+    torch.library.opcheck(OPS.bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                                            *detached, CAUSAL))
+    qv, kv, vv, cu_q, cu_k, max_q, max_k = _varlen_inputs((5, 0, SEQLEN), (7, 3, SEQLEN - 2), torch.float32)
+    args = (qv, kv, vv, cu_q, cu_k, None, None, None)
+    ints = [max_q, max_k, *CAUSAL]
+    torch.library.opcheck(OPS.varlen_fwd.default, (*args, *options, ints))
+    with torch.no_grad():
+        out, lse = OPS.varlen_fwd(*args, *options, ints)
+    torch.library.opcheck(OPS.varlen_bwd.default, (torch.randn_like(out), qv.detach(), kv.detach(), vv.detach(),
+                                                   out, lse, cu_q, cu_k, None, None, *detached, ints))
 
 
 def test_opcheck_head_dim_v():
@@ -164,10 +190,11 @@ def test_opcheck_kvcache():
     seqlens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
     cos, sin = (torch.rand(SEQLEN, HEAD_DIM // 4, device=DEVICE) for _ in range(2))
     for new in ((k, v), (None, None)):
-        # extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes];
+        # extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        # learnable_sink];
         # floats = [softmax_scale, softcap]; ints = [causal, window_left, window_right, rotary_interleaved,
         # num_splits].
-        extras = [cos, sin, None, None, None, None]
+        extras = [cos, sin, None, None, None, None, None]
         torch.library.opcheck(OPS.kvcache_fwd.default, (q, k_cache, v_cache, *new, seqlens, extras,
                                                         [HEAD_DIM ** -0.5, 0.0], [1, -1, -1, 1, 1]))
 

@@ -113,3 +113,17 @@ def test_dropout_stays_off_the_hopper_forward():
     explanation = flashtile.explain(q, k, v, dropout_p=0.1, device_capability=(9, 0))
     assert explanation.forward.path == "portable"
     assert "dropout" in explanation.forward.reason
+
+
+@pytest.mark.parametrize("causal,window_size,softcap,alibi", [OPTIONS[0], OPTIONS[-1]], ids=["causal-window", "all"])
+def test_learnable_sink_stays_on_hopper(causal, window_size, softcap, alibi):
+    """A learnable sink is taken in by the Hopper forward's epilogue and the backward's preprocess:
+    with the options, the call stays on the Hopper kernels (the sink's values: tests/test_sinks.py)."""
+    device = DEVICE if ON_GPU else "meta"
+    q, k, v = (torch.randn(2, 1500, 8, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    options = _options(causal, window_size, softcap, alibi, 2, 8)
+    if not ON_GPU and options["alibi_slopes"] is not None:
+        options["alibi_slopes"] = options["alibi_slopes"].to("meta")
+    sink = torch.randn(8, device=device, requires_grad=True)
+    _assert_hopper_path(q, k, v, learnable_sink=sink, **options)

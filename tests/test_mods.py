@@ -162,6 +162,47 @@ def test_document_block_mask_with_a_score_mod():
                dict(causal=True, alibi_slopes=slopes, mask_mod=lambda b, h, i, j: documents[i] == documents[j]))
 
 
+def _documents(lengths):
+    return torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)]).to(DEVICE)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_mask_runs_as_packed_sequences(causal):
+    """The built-in document mask alone (as the mask_mod or as the mask of a block mask), queries lined
+    up with keys and every document one run of positions: attention within packed sequences, run as
+    flash_attn_varlen_func on the batch's rows end to end (the Hopper kernels where those serve it), a
+    sink and GQA included. Outputs and gradients against the float64 reference of the mask."""
+    seqlen = 150 if not ON_GPU else 3000
+    documents = _documents([seqlen // 5, 1, seqlen // 2, seqlen - seqlen // 5 - seqlen // 2 - 1])
+    mask = flashtile.mods.document_mask(documents)
+    block_mask = flashtile.create_block_mask(mask, None, None, seqlen, seqlen, block_size=32 if not ON_GPU else 128)
+    q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, 64, DTYPES[0])
+    sink = (torch.randn(4, device=DEVICE) + 2).requires_grad_()
+    for options in (dict(mask_mod=mask), dict(block_mask=block_mask)):
+        explanation = flashtile.explain(q, k, v, causal=causal, device_capability=(9, 0), **options)
+        assert "document mask as packed sequences" in explanation.forward.reason, explanation
+        out = flashtile.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, **options)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v, sink), dout)
+        errors, _ = reference_errors(q, k, v, out, dout, grads, causal=causal, learnable_sink=sink,
+                                     mask_mod=lambda b, h, i, j: documents[i] == documents[j])
+        roundoff = torch.finfo(q.dtype).eps / 2
+        check_errors([(name, err, max(base, 4 * roundoff) if name == "dsink" else base) for name, err, base in errors],
+                     q.dtype)
+
+
+def test_documents_that_are_not_runs_stay_a_mask():
+    """A document with positions in two runs is no set of sequences: the mask runs as a mask_mod."""
+    documents = _documents([20, 30, 20])
+    documents[50:] = 0  # document 0 again after document 1
+    q, k, v = make_qkv(1, 70, 70, 2, 2, 32, DTYPES[0])
+    mask = flashtile.mods.document_mask(documents)
+    explanation = flashtile.explain(q, k, v, causal=True, mask_mod=mask, device_capability=(9, 0))
+    assert explanation.forward.path == "portable" and "mask_mod" in explanation.forward.reason
+    check_mods(flashtile.flash_attn_func, q, k, v, dict(causal=True, mask_mod=mask),
+               dict(causal=True, mask_mod=lambda b, h, i, j: documents[i] == documents[j]))
+
+
 @triton.jit
 def keep_all(b, h, q_idx, kv_idx, aux):
     return q_idx >= 0

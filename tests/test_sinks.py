@@ -80,7 +80,10 @@ def test_varlen(seqused):
                             reference=reference, causal=True, learnable_sink=sink)
 
 
-def test_kvcache():
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_kvcache(num_splits):
+    """One query per sequence with GQA (the group's heads share tiles: the sink is per query head, so
+    not as the rows of a kv head); num_splits 3: the combine kernel takes the sink in."""
     dtype, batch, nheads, nheads_k, d = DTYPES[0], 3, 8, 2, 64
     q = randn(batch, 1, nheads, d, dtype=dtype)
     k_cache, v_cache = (randn(batch, 160, nheads_k, d, dtype=dtype) for _ in range(2))
@@ -88,7 +91,7 @@ def test_kvcache():
     sink = _sink(nheads, requires_grad=False)
     for _ in range(2):  # the first call leaves a call plan (on CUDA), the second replays it
         out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, learnable_sink=sink,
-                                                     return_softmax_lse=True)
+                                                     num_splits=num_splits, return_softmax_lse=True)
         for b in range(batch):
             n = int(seqlens[b])
             ref_out, ref_lse = attention_naive(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],

@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 
 from .. import checks, ops
-from ..interface import _probs
 from ..options import ScoreParams, packed_seqs, resolve_options
 from ..dispatch import attention_backward
 from ..varlen import _check_inputs as _check_varlen_inputs
@@ -171,8 +170,9 @@ def _flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softm
         return_attn_probs=return_softmax).op_args()
     ints = [window_left, window_right, 0]
     with torch.no_grad():
-        out, lse = ops.dense_attention(q, k, v, alibi_slopes, dropout_seed, floats, ints)
-        s_dmask = (_probs(q, k, v, lse, None, None, None, None, None, (alibi_slopes, dropout_seed), floats, ints)
+        out, lse = ops.dense_attention(q, k, v, alibi_slopes, dropout_seed, None, floats, ints)
+        s_dmask = (ops.attention_probabilities(q, k, v, lse, None, None, None, None, None,
+                                               (alibi_slopes, dropout_seed), floats, ints)
                    if return_softmax else q.new_empty((0,)))
     return out, lse, s_dmask, _rng_state(dropout_seed, q.device)
 
@@ -230,9 +230,9 @@ def _flash_attn_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, 0]
     with torch.no_grad():
         out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, None, seqused_k, block_table,
-                                        alibi_slopes, dropout_seed, floats, ints)
-        s_dmask = (_probs(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, None, seqused_k, block_table,
-                          (alibi_slopes, dropout_seed), floats, ints)
+                                        alibi_slopes, dropout_seed, None, floats, ints)
+        s_dmask = (ops.attention_probabilities(q, k, v, lse, cu_seqlens_q, cu_seqlens_k, None, seqused_k,
+                                               block_table, (alibi_slopes, dropout_seed), floats, ints)
                    if return_softmax else q.new_empty((0,)))
     return out, lse, s_dmask, _rng_state(dropout_seed, q.device)
 

@@ -115,7 +115,7 @@ def gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, cfg
     from ..kernels.hopper.launch import GluonBackward
 
     return capture(lambda: GluonBackward(q, k, v, out, dout, lse, dq, dk, dv, params, cfg, pre_cfg, seqs)(
-        q, k, v, out, dout, lse, dq, dk, dv, params, seqs))
+        q, k, v, out, dout, lse, dq, dk, dv, params, seqs, dsink=_sink_grad(params)))
 
 
 def portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg, dkdv_cfg, dq_cfg,
@@ -124,7 +124,14 @@ def portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, 
     from ..kernels.portable.launch import PortableBackward
 
     return capture(lambda: PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg,
-                                            seqs)(q, k, v, out, dout, lse, dq, dk, dv, params, seqs))
+                                            seqs)(q, k, v, out, dout, lse, dq, dk, dv, params, seqs,
+                                                  dsink=_sink_grad(params)))
+
+
+def _sink_grad(params: ScoreParams) -> Optional[torch.Tensor]:
+    """The sink gradient's buffer a backward with a learnable sink writes (None without one)."""
+    sink = params.learnable_sink
+    return None if sink is None else torch.empty(sink.shape, dtype=torch.float32, device=sink.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,9 +326,14 @@ def _params(causal: bool) -> ScoreParams:
 
 def _option_params(causal: bool, batch: int, nheads: int) -> ScoreParams:
     """Every score option the Hopper kernels take, at once: a sliding window (ending at the diagonal
-    when causal), softcap and (b, h) ALiBi slopes."""
+    when causal), softcap and (b, h) ALiBi slopes; and a learnable sink."""
     return ScoreParams(softmax_scale=0.1, softcap=30.0, window_left=512 if causal else 256,
-                       window_right=0 if causal else 256, alibi_slopes=_empty(batch, nheads, dtype=torch.float32))
+                       window_right=0 if causal else 256, alibi_slopes=_empty(batch, nheads, dtype=torch.float32),
+                       learnable_sink=_empty(nheads, dtype=torch.float32))
+
+
+def _with_sink(params: ScoreParams, nheads: int) -> ScoreParams:
+    return dataclasses.replace(params, learnable_sink=_empty(nheads, dtype=torch.float32))
 
 
 def _mod_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
@@ -421,7 +433,7 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     out4, lse4 = _empty(2, 4, h, d, dtype=torch.float32), _empty(2, h, 4, dtype=torch.float32)
     rows = [
         ("fwd/dense", "fwd", lambda: launch_forward(q, q, q, out, lse, params, cfg)),
-        ("fwd/varlen", "fwd", lambda: launch_forward(qv, qv, qv, outv, lsev, params, cfg,
+        ("fwd/varlen", "fwd", lambda: launch_forward(qv, qv, qv, outv, lsev, _with_sink(params, h), cfg,
                                                      PackedSeqs(cu, cu, 600, 600))),
         ("fwd/paged", "fwd", lambda: launch_forward(qv, pages, pages, outv, lsev, params, cfg, paged)),
         ("fwd/decode-split", "fwd", lambda: launch_forward(
@@ -430,7 +442,8 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
         ("fwd/kvcache", "fwd", lambda: launch_forward(
             qv, pages, pages, outv, lsev, params, cfg, PackedSeqs(cu, cu, 600, 600, block_table=table,
                                                                   key_shift=_ints([0, 400])))),
-        ("fwd/combine", "combine", lambda: attention_forward_split(qv, pages, pages, outv, lsev, params, paged, 3)),
+        ("fwd/combine", "combine", lambda: attention_forward_split(qv, pages, pages, outv, lsev, _with_sink(params, h),
+                                                                   paged, 3)),
         ("fwd/decode-pack-gqa", "fwd", lambda: launch_forward(
             q4, k4, k4, out4, lse4, params, dec, PackedSeqs(None, None, 4, 600, dense_batch=2),
             splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True)),
@@ -465,7 +478,8 @@ def portable_bwd_builds(d: int, causal: bool, dtype) -> list:
     cu = _ints([0, 400, 1000])
     dense, packed = tensors(2, 512), tensors(1, 1000)
     return [("dense", lambda: portable_backward(*dense, params, pre, dkdv, dq)),
-            ("varlen", lambda: portable_backward(*packed, params, pre, dkdv, dq, PackedSeqs(cu, cu, 600, 600))),
+            ("varlen", lambda: portable_backward(*packed, _with_sink(params, h), pre, dkdv, dq,
+                                                 PackedSeqs(cu, cu, 600, 600))),
             ("mods", lambda: portable_backward(*dense, _mod_params(causal, h, 512), pre, dkdv, dq)),
             ("attn-bias", lambda: portable_backward(*dense, _attn_bias_params(causal, h, 512), pre, dkdv, dq)),
             ("head-dim-v", lambda: portable_backward(*_half_values(dense), params, pre, dkdv, dq))]

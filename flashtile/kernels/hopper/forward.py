@@ -46,8 +46,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import reinterpret, tma_load, tma_store
 from .block_info import key_blocks
-from .scores import alibi_slope_log2, modded_scores_log2
+from .scores import LN2, alibi_slope_log2, modded_scores_log2
 from .seqlen_info import forward_tile
+from .sink import fold_sink, load_sink_log2
 
 # wgmma's M per warpgroup; each consumer warpgroup owns this many query rows.
 ROWS_PER_CONSUMER = 64
@@ -477,7 +478,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
 def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
              turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked, n_total,
-             kv0, turn0, q_phase, reverse, score, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
+             kv0, turn0, q_phase, reverse, score, sink_ptr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
@@ -486,7 +487,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     """One 64-row slice of a tile: key blocks [n_first, n_total), of which [n_free_lo, n_unmasked) need
     no mask (n_first and n_free_lo are 0 but for a window). kv0 / turn0 / q_phase: the K/V ring
     position, ping-pong issue points and tiles (mod 2) of the tiles a persistent CTA ran before this
-    one (0 otherwise). score: the options' runtime values (_softmax_block).
+    one (0 otherwise). score: the options' runtime values (_softmax_block). sink_ptr: None, or (nheads,)
+    learnable sink logits, taken into out and lse (sink.py).
     A persistent CTA hands Q back to the loader after the tile's last S and stages O in o_smem, so
     the next tile's Q lands during this tile's last P V and its output store. V (and O) may be narrower
     or wider than Q and K (head_dim_v != head_dim_qk: V_DIM, HEAD_DIM_V_TRUE); O is then staged in
@@ -633,15 +635,23 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     if ROW_SUM_MMA:
         l_i = gl.convert_layout(gl.max(l_i, axis=1), row_layout)
 
-    # A row that saw no key (l = 0) outputs zeros and lse = -inf.
+    empty_lse = float("-inf")
+    if sink_ptr is not None:
+        sink_log2 = load_sink_log2(sink_ptr, head)
+        sink_alpha, m_i, l_i = fold_sink(m_i, l_i, sink_log2)
+        empty_lse = sink_log2 * LN2
+    # A row that saw no key (l = 0) outputs zeros and lse = -inf (the sink's logit, with one: l = 1).
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
     if HAS_SEQUSED_Q:
         # Rows past the used ones count as rows that saw no key. Their queries may be garbage,
         # hence a select rather than a scale by 0.
-        empty_row = empty_row | (rows >= seqlen_q)
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # * ln 2
-    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+        lse = gl.where(rows >= seqlen_q, empty_lse, lse)
+    if sink_ptr is not None:
+        inv_l = gl.convert_layout(sink_alpha / l_safe, gl.SliceLayout(1, o_layout))
+    else:
+        inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
     out = acc * gl.expand_dims(inv_l, 1)
     if HAS_SEQUSED_Q:
         unused = gl.convert_layout(rows >= seqlen_q, gl.SliceLayout(1, o_layout))
@@ -711,7 +721,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
               cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group,
               qk_scale_log2, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes, stride_alibi_b,
-              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              sink_ptr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -736,9 +746,9 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_first, n_free_lo,
-                         n_unmasked, n_total, kv0, turn0, tile_iter & 1, reverse, score, CONSUMER, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, False, False, HEAD_DIM_TRUE, True,
-                         ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
+                         n_unmasked, n_total, kv0, turn0, tile_iter & 1, reverse, score, sink_ptr, CONSUMER, BLOCK_M,
+                         BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, False, False, HEAD_DIM_TRUE,
+                         True, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
                 n_blocks = n_total - n_first
                 kv0 += n_blocks
                 # A tile with key blocks has n_blocks + 1 issue points (its first S, then S_j with
@@ -759,15 +769,15 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first,
-                         n_free_lo, n_unmasked, n_total, 0, 0, 0, False, score, CONSUMER, BLOCK_M, BLOCK_N,
+                         n_free_lo, n_unmasked, n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, seqused_q is not None,
                          HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked,
-                     n_total, 0, 0, 0, False, score, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP,
-                     ALIBI, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
+                     n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LOCAL,
+                     SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
                      OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
 
 
@@ -796,7 +806,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           OWN_KEY_RANGE: gl.constexpr = False, LOCAL: gl.constexpr = False,
                           SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, window_left=0, window_right=0,
                           softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0,
-                          HEAD_DIM_V_TRUE: gl.constexpr = None):
+                          HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None):
     # V's (and O's) head dim when it differs from Q's and K's (v_desc's and o_desc's boxes are its padded
     # width); None: the same.
     V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
@@ -857,7 +867,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -871,14 +881,14 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -892,21 +902,21 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -921,28 +931,28 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,

@@ -25,7 +25,8 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
                             config: GluonFwdConfig, *, cu_seqlens_q=None, cu_seqlens_k=None,
                             seqused_q=None, seqused_k=None, max_seqlen_q=None, **options) -> None:
     """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
-    ``options`` (ForwardPlan's): softcap, window_left / window_right, alibi_slopes, as flash_attn's.
+    ``options`` (ForwardPlan's): softcap, window_left / window_right, alibi_slopes, as flash_attn's, and
+    learnable_sink ((h,) sink logits, taken into out and lse: kernels/portable/sink.py).
 
     Dense: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out (b, sq, h, dv); lse (b, h, sq) float32.
     Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, out (1, total_q, h, d),
@@ -53,8 +54,8 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen,
                        **options)
     descriptors = plan.descriptors(q, k, v, out)
-    alibi_slopes = options.get("alibi_slopes")
-    return lambda: plan.launch(descriptors, out, lse, alibi_slopes=alibi_slopes, **varlen)
+    tensors = dict(alibi_slopes=options.get("alibi_slopes"), learnable_sink=options.get("learnable_sink"))
+    return lambda: plan.launch(descriptors, out, lse, **tensors, **varlen)
 
 
 def band_sides(causal: bool, window_left: int, window_right: int):
@@ -105,7 +106,7 @@ class ForwardPlan:
 
     def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, max_seqlen_q=None, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, alibi_slopes=None):
+                 window_right: int = -1, alibi_slopes=None, learnable_sink=None):
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         local, window_left, window_right = band_sides(causal, window_left, window_right)
@@ -178,22 +179,22 @@ class ForwardPlan:
                                     and cfg.block_n == 128),
                  OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
                  **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes),
-                 **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}),
+                 **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k", "o_ptr", "alibi_slopes"))
+                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr"))
 
     def descriptors(self, q, k, v, out) -> tuple:
         """The TMA descriptors of one call's tensors (q, k, v, o order)."""
         return self.q_tiles(q), self.k_tiles(k), self.v_tiles(v), self.o_tiles(out)
 
     def launch(self, descriptors, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-               seqused_k=None, alibi_slopes=None):
+               seqused_k=None, alibi_slopes=None, learnable_sink=None):
         """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
         if self.call is None:
             return None
         return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         out if self.varlen else None, alibi_slopes)
+                         out if self.varlen else None, alibi_slopes, learnable_sink)
 
     def __call__(self, q, k, v, out, lse, **varlen):
         if self.call is None:

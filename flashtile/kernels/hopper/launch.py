@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from ...options import PackedSeqs, ScoreParams, grid_lengths
-from ..portable.launch import (preprocess_call, preprocess_seq_tensors, row_stats_buffers, row_stats_by_shape,
-                               row_stats_shape)
+from ..portable.launch import (SinkGrad, preprocess_call, preprocess_seq_tensors, row_stats_buffers,
+                               row_stats_by_shape, row_stats_shape)
 from .backward_plan import BackwardPlan, done_counts_buffer, dq_accumulator
 from .forward_plan import ForwardPlan
 
@@ -23,13 +23,14 @@ class GluonForward:
                                 cfg, max_seqlen_q=None if seqs is None else seqs.max_seqlen_q,
                                 softcap=params.softcap, window_left=params.window_left,
                                 window_right=params.window_right, alibi_slopes=params.alibi_slopes,
-                                **gluon_seq_tensors(seqs))
+                                learnable_sink=params.learnable_sink, **gluon_seq_tensors(seqs))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
+        tensors = dict(alibi_slopes=params.alibi_slopes, learnable_sink=params.learnable_sink)
         if seqs is None:
-            self.plan(q, k, v, out, lse, alibi_slopes=params.alibi_slopes)
+            self.plan(q, k, v, out, lse, **tensors)
         else:
-            self.plan(q, k, v, out, lse[0], alibi_slopes=params.alibi_slopes, **gluon_seq_tensors(seqs))
+            self.plan(q, k, v, out, lse[0], **tensors, **gluon_seq_tensors(seqs))
 
 
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,
@@ -74,12 +75,15 @@ class GluonBackward:
         done_counts = done_counts_buffer(q, k, "meta") if self.kernels.needs_counts else None
         self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
                                           zero=dq_acc, zero_counts=done_counts)
+        self.sink_grad = None if params.learnable_sink is None else SinkGrad(out, seqs, pre_cfg.block_m)
         # What each call allocates, by shape: a call reads only its tensors' data pointers.
         self.device = q.device
         self.stats_shape, self.dq_acc_shape = row_stats_shape(lse), tuple(dq_acc.shape)
         self.counts_shape = None if done_counts is None else tuple(done_counts.shape)
 
-    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None,
+                 dsink: Optional[torch.Tensor] = None):
+        """dsink: a float32 (nheads,) tensor for the learnable sink's gradient, with a sink."""
         # The host work (buffers, TMA descriptors) comes before the preprocess kernel, so that the
         # preprocess, backward and dQ-convert kernels go out back to back: done between them, it left
         # the GPU idle after the short preprocess. The preprocess zeroes the accumulator (and the
@@ -88,10 +92,14 @@ class GluonBackward:
         dq_acc = torch.empty(self.dq_acc_shape, device=self.device, dtype=torch.float32)
         done_counts = (None if self.counts_shape is None
                        else torch.empty(self.counts_shape, device=self.device, dtype=torch.int32))
+        sink_parts = None if self.sink_grad is None else self.sink_grad.parts()
         descriptors = self.kernels.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
-        self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, done_counts, *preprocess_seq_tensors(seqs))
+        self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, done_counts, *preprocess_seq_tensors(seqs),
+                        params.learnable_sink, sink_parts)
         self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts,
                             alibi_slopes=params.alibi_slopes, **gluon_seq_tensors(seqs))
+        if sink_parts is not None:
+            SinkGrad.finish(sink_parts, dsink)
 
 
 def gluon_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:

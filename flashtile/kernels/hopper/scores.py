@@ -11,6 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 # What the host passes for a window side of -1 (no bound): 2^30 keys.
 UNBOUNDED_WINDOW = 1 << 30

@@ -16,6 +16,7 @@ from .forward import load_alibi_slope_log2
 from .scores import (LOG2E, band_block_range, listed_tile_start, mask_mod_scores, mask_scores, mod_positions,
                      score_mod_log2, scores_log2)
 from .seqlens import sequence_bounds
+from .sink import sink_grad_part
 from .tile_io import load_tile, store_tile
 
 
@@ -31,7 +32,7 @@ def attn_bwd_preprocess_kernel(
     ZeroCounts, nheads_k,
     nheads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HEAD_DIM_ZERO: tl.constexpr = None, BLOCK_D_ZERO: tl.constexpr = None,
+    HEAD_DIM_ZERO: tl.constexpr = None, BLOCK_D_ZERO: tl.constexpr = None, Sink=None, SinkGradParts=None,
 ):
     """Delta, LseLog2: float32 with (batch, head) strides stride_delta_*, rows contiguous;
     laid out like lse (a row of a packed sequence starts at its q_start).
@@ -39,16 +40,22 @@ def attn_bwd_preprocess_kernel(
     rows this pass zeroes: its writes ride along with the reads of out and dout, instead of a
     memset of its own. Its head dim (q's) is HEAD_DIM_ZERO where it differs from out's.
     ZeroCounts: None, or int32 (b, nheads_k) counts (the Gluon backward's key blocks done per KV
-    head) zeroed here too."""
+    head) zeroed here too.
+    Sink: None, or (nheads,) learnable sink logits; each program then writes its share of their
+    gradient (sink.sink_grad_part) to SinkGradParts, float32 (batch, nheads, programs along axis 0)."""
     start_m = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
+    if Sink is not None:
+        sink_part_ptr = SinkGradParts + (b * nheads + h).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
     if ZeroCounts is not None:
         if (start_m == 0) & (h < nheads_k):
             tl.store(ZeroCounts + b * nheads_k + h, 0)
     q_start, _, seqlen_q, _ = sequence_bounds(b, seqlen_q, 0, CuSeqlensQ, CuSeqlensQ, SeqUsedQ, None, IS_VARLEN)
     if IS_VARLEN:  # the grid fits the longest sequence (dense grids are exact)
         if start_m >= seqlen_q:
+            if Sink is not None:
+                tl.store(sink_part_ptr, 0.0)
             return
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -64,6 +71,8 @@ def attn_bwd_preprocess_kernel(
     row_ids = b.to(tl.int64) * stride_delta_b + h.to(tl.int64) * stride_delta_h + q_start + rows
     tl.store(Delta + row_ids, delta, mask=rows < seqlen_q)
     tl.store(LseLog2 + row_ids, lse_log2, mask=rows < seqlen_q)
+    if Sink is not None:
+        tl.store(sink_part_ptr, sink_grad_part(Sink, h, lse, delta, rows < seqlen_q))
     if ZeroRows is not None:
         ZERO_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_ZERO is None else HEAD_DIM_ZERO
         ZERO_BLOCK: tl.constexpr = BLOCK_D if BLOCK_D_ZERO is None else BLOCK_D_ZERO

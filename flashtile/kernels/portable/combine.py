@@ -4,13 +4,14 @@ its logsumexp; the full result is their lse-weighted sum.
     lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i
 
 A split that saw no key of a row has lse_i = -inf and weighs nothing; a row no split saw gets
-out = 0 and lse = -inf, as everywhere else.
+out = 0 and lse = -inf, as everywhere else. A learnable sink (sink.py) joins here, once per row.
 """
 
 import triton
 import triton.language as tl
 
 from .scores import LN2, LOG2E
+from .sink import fold_sink, load_sink_log2
 
 
 @triton.jit
@@ -21,6 +22,7 @@ def attn_combine_kernel(
     stride_ob, stride_or, stride_oh, stride_lse_b, stride_lse_h,
     num_rows, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, stride_lse_r=1,
+    Sink=None,
 ):
     """OutPartial (split, batch, row, head, d) float32, LsePartial (split, batch, head, row) float32
     -> Out (batch, row, head, d), Lse (batch, head, row) (rows stride_lse_r apart; the partial lse
@@ -28,7 +30,7 @@ def attn_combine_kernel(
 
     Splits are read BLOCK_S at a time, as one tile: a decode step merges a handful of rows over
     8-128 splits, and a loop of one split per step would wait on each load in turn (a chain of
-    memory latencies longer than the split forward itself)."""
+    memory latencies longer than the split forward itself). Sink: None, or (nheads,) sink logits."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -60,6 +62,10 @@ def attn_combine_kernel(
         acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * part, axis=0)
         total = total * rescale + tl.sum(weight, axis=0)
         m = m_new
+    if Sink is not None:
+        alpha, m_log2, total = fold_sink(m * LOG2E, total, load_sink_log2(Sink, h))
+        acc = acc * alpha[:, None]
+        m = m_log2 * LN2
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)[:, None]

@@ -8,6 +8,7 @@ from .dropout import dropout_keep, dropout_row_offset
 from .scores import (LN2, LOG2E, band_block_range, listed_tile_start, mask_mod_scores, mask_scores, mod_positions,
                      score_mod_log2, scores_log2)
 from .seqlens import sequence_bounds
+from .sink import fold_sink, load_sink_log2
 from .tile_io import load_kv_rows, load_rows, store_rows
 
 
@@ -113,6 +114,7 @@ def attn_fwd_kernel(
     BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
     LOOP_IN_BOUNDS: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
+    Sink=None,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
@@ -134,7 +136,8 @@ def attn_fwd_kernel(
     its lists list_width apart. BLOCK_M and BLOCK_N divide the mask's blocks. Full blocks need no
     element mask (the host folded the band and the sequence ends into the lists) unless
     FULL_TILES_MASKED. HEAD_DIM_V / BLOCK_DV: V's and Out's head dim and its tile width, when it differs
-    from Q's and K's (None: the same)."""
+    from Q's and K's (None: the same). Sink: None, or (nheads,) learnable sink logits (sink.py), taken in
+    here unless SPLIT_KV (the combine kernel takes them then)."""
     V_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
     V_BLOCK_D: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     split = 0
@@ -275,6 +278,13 @@ def attn_fwd_kernel(
             SCORE_MOD, None, ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
             LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
 
+    if Sink is not None:
+        if not SPLIT_KV:
+            if PACK_GQA:
+                alpha, m_i, l_i = fold_sink(m_i, l_i, load_sink_log2(Sink, row_heads))
+            else:
+                alpha, m_i, l_i = fold_sink(m_i, l_i, load_sink_log2(Sink, h))
+            acc = acc * alpha[:, None]
     # A row that saw no key at all (l = 0) outputs zeros and lse = -inf.
     empty_row = l_i == 0.0
     l_safe = tl.where(empty_row, 1.0, l_i)

@@ -154,16 +154,17 @@ class PortableForward:
                  **({"PACK_GQA": True} if pack_gqa else {}), **_row_stride(lse),
                  **params.mod_args("fwd", seqs is not None), **_loop_in_bounds(params, seqs, max_seqlen_k, cfg.block_n),
                  **cfg.launch_kwargs()),
-            slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "CuSeqlensQ", "CuSeqlensK", "SeqUsedQ",
-                   "SeqUsedK", "BlockTable", "KeyShift"))
+            slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "Sink", "CuSeqlensQ", "CuSeqlensK",
+                   "SeqUsedQ", "SeqUsedK", "BlockTable", "KeyShift"))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         tiles = (q, k, v, out) if self.tiles is None else tuple(t(x) for t, x in zip(self.tiles, (q, k, v, out)))
+        tensors = (lse, params.alibi_slopes, params.dropout_seed, params.learnable_sink)
         if seqs is None:
-            self.call(*tiles, lse, params.alibi_slopes, params.dropout_seed, None, None, None, None, None, None)
+            self.call(*tiles, *tensors, None, None, None, None, None, None)
         else:
-            self.call(*tiles, lse, params.alibi_slopes, params.dropout_seed, seqs.cu_seqlens_q, seqs.cu_seqlens_k,
-                      seqs.seqused_q, seqs.seqused_k, seqs.block_table, seqs.key_shift)
+            self.call(*tiles, *tensors, seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_q, seqs.seqused_k,
+                      seqs.block_table, seqs.key_shift)
 
 
 COMBINE_ROWS = 1  # rows of the split-KV combine's programs
@@ -180,6 +181,7 @@ class SplitForward:
         if cfg is None:  # the dispatcher's choice (an explicit one: the C export's captures)
             cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
                              max_seqlen_k, q.dtype)
+        self.cfg = cfg
         split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
         keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
         num_splits = triton.cdiv(max(max_seqlen_k, 1), keys_per_split)  # no split is left without keys
@@ -203,7 +205,7 @@ class SplitForward:
             (None, None, None, None, *out_parts.stride()[:4], *lse_parts.stride()[:3], out.stride(0), out.stride(1),
              out.stride(2), lse.stride(0), lse.stride(1), rows, num_splits),
             dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s, **_row_stride(lse)),
-            slots=("OutPartial", "LsePartial", "Out", "Lse"))
+            slots=("OutPartial", "LsePartial", "Out", "Lse", "Sink"))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs):
         if self.combine is None:
@@ -212,7 +214,7 @@ class SplitForward:
         out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device=out.device)
                                 for shape in self.parts_shapes)
         self.forward(q, k, v, out_parts[0], lse_parts[0], params, seqs)
-        self.combine(out_parts, lse_parts, out, lse)
+        self.combine(out_parts, lse_parts, out, lse, params.learnable_sink)
 
 
 def row_stats_buffers(lse: torch.Tensor, device=None) -> tuple:
@@ -244,7 +246,24 @@ def launch_preprocess(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs
     sequence's used rows, when packed) are zeroed in the same pass. zero_counts: None, or an int32
     (batch, nheads_k) tensor zeroed too (nheads_k <= the heads of out)."""
     preprocess_call(out, dout, lse, delta, lse_log2, seqs, block_m, num_warps, zero, zero_counts)(
-        out, dout, lse, delta, lse_log2, zero, zero_counts, *preprocess_seq_tensors(seqs))
+        out, dout, lse, delta, lse_log2, zero, zero_counts, *preprocess_seq_tensors(seqs), None, None)
+
+
+class SinkGrad:
+    """The learnable sink's gradient in a backward (kernels/portable/sink.py): the preprocess writes
+    one partial sum per program into a float32 buffer shaped (batch, nheads, programs along axis 0)
+    (the call's ``parts()``), and ``finish`` sums them per head into dsink, in a fixed order."""
+
+    def __init__(self, out, seqs: Optional[PackedSeqs], block_m: int):
+        batch, max_seqlen_q, _ = grid_lengths(out, out, seqs)
+        self.shape, self.device = (batch, out.shape[2], triton.cdiv(max_seqlen_q, block_m)), out.device
+
+    def parts(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+
+    @staticmethod
+    def finish(parts: torch.Tensor, dsink: torch.Tensor) -> None:
+        torch.sum(parts, dim=(0, 2), out=dsink)
 
 
 def preprocess_seq_tensors(seqs: Optional[PackedSeqs]) -> tuple:
@@ -256,7 +275,8 @@ def preprocess_call(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] 
                     num_warps: int = 4, zero: Optional[torch.Tensor] = None,
                     zero_counts: Optional[torch.Tensor] = None) -> CompiledCall:
     """:func:`launch_preprocess` for these tensors' signature, as a CompiledCall taking (out, dout,
-    lse, delta, lse_log2, zero, zero_counts, cu_seqlens_q, seqused_q)."""
+    lse, delta, lse_log2, zero, zero_counts, cu_seqlens_q, seqused_q, sink, sink_grad_parts) (the last
+    two None, or a learnable sink and SinkGrad.parts())."""
     batch, max_seqlen_q, _ = grid_lengths(out, out, seqs)
     nheads, head_dim = out.shape[2], out.shape[3]
     if zero is not None:
@@ -273,7 +293,8 @@ def preprocess_call(out, dout, lse, delta, lse_log2, seqs: Optional[PackedSeqs] 
         dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, IS_VARLEN=seqs is not None,
              num_warps=num_warps, **({} if zero is None or zero.shape[-1] == head_dim else
                                      dict(HEAD_DIM_ZERO=zero.shape[-1], BLOCK_D_ZERO=padded_head_dim(zero.shape[-1])))),
-        slots=("Out", "DOut", "Lse", "Delta", "LseLog2", "ZeroRows", "ZeroCounts", "CuSeqlensQ", "SeqUsedQ"))
+        slots=("Out", "DOut", "Lse", "Delta", "LseLog2", "ZeroRows", "ZeroCounts", "CuSeqlensQ", "SeqUsedQ", "Sink",
+               "SinkGradParts"))
 
 
 # The tensor arguments of the portable dK/dV and dQ kernels that change from call to call.
@@ -333,25 +354,33 @@ class PortableBackward:
         delta, lse_log2 = row_stats_buffers(lse, device="meta")
         self.stats_shape, self.device = row_stats_shape(lse), lse.device
         self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps)
+        self.sink_grad = None if params.learnable_sink is None else SinkGrad(out, seqs, pre_cfg.block_m)
         # No key: no dK / dV to compute (dq still gets its zeros from the dQ kernel).
         self.dkdv = None if k.shape[1] == 0 else portable_bwd_call(BWD_DKDV, q, k, v, dout, delta, (dk, dv), params,
                                                                      dkdv_cfg, seqs)
         self.dq = portable_bwd_call(BWD_DQ, q, k, v, dout, delta, (dq,), params, dq_cfg, seqs)
 
-    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
+    def __call__(self, q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, seqs: Optional[PackedSeqs] = None,
+                 dsink: Optional[torch.Tensor] = None):
+        """dsink: a float32 (nheads,) tensor for the learnable sink's gradient, with a sink."""
         delta, lse_log2 = row_stats_by_shape(self.stats_shape, self.device)
-        self.preprocess(out, dout, lse, delta, lse_log2, None, None, *preprocess_seq_tensors(seqs))
+        sink_parts = None if self.sink_grad is None else self.sink_grad.parts()
+        self.preprocess(out, dout, lse, delta, lse_log2, None, None, *preprocess_seq_tensors(seqs),
+                        params.learnable_sink, sink_parts)
         tensors = portable_bwd_tensors(q, k, v, dout, lse_log2, delta, params.alibi_slopes, params.dropout_seed,
                                         seqs)
         if self.dkdv is not None:
             self.dkdv(*tensors, dk, dv)
         self.dq(*tensors, dq)
+        if sink_parts is not None:
+            SinkGrad.finish(sink_parts, dsink)
 
 
-def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
-                    seqs: Optional[PackedSeqs] = None) -> torch.Tensor:
+def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype, seqs: Optional[PackedSeqs] = None,
+                    cfg=None) -> torch.Tensor:
     """The full (b, h, sq, sk) probability matrix, dropped entries negated. N^2 memory.
-    Packed batches: (batch, h, max_seqlen_q, max_seqlen_k), zero outside each sequence."""
+    Packed batches: (batch, h, max_seqlen_q, max_seqlen_k), zero outside each sequence. cfg: the
+    forward's table config by default."""
     batch, max_seqlen_q, max_seqlen_k = grid_lengths(q, k, seqs)
     nheads, head_dim = q.shape[2], q.shape[3]
     shape = (batch, nheads, max_seqlen_q, max_seqlen_k)
@@ -359,13 +388,15 @@ def attention_probs(q, k, lse, params: ScoreParams, dtype: torch.dtype,
     probs = empty(shape, dtype, q.device) if seqs is None else torch.zeros(shape, dtype=dtype, device=q.device)
     if probs.numel() == 0:
         return probs
-    cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, max_seqlen_k, q.dtype)
+    if cfg is None:
+        cfg = get_config(FWD, arch_of(q.device), head_dim, params.causal, max_seqlen_k, q.dtype)
     attn_probs_kernel[(triton.cdiv(max_seqlen_q, cfg.block_m), nheads, batch)](
         q, k, lse, probs,
         *_bsh_strides(q), *_bsh_strides(k), *_bh_strides(lse),
         probs.stride(0), probs.stride(1), probs.stride(2), **_seq_args(seqs), **_page_args(k, seqs),
         **_shape_args(q, k, seqs), **params.kernel_args(q.dtype), **params.mod_args("probs", seqs is not None),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **triton_compat.LAUNCH_OPTIONS,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **triton_compat.LAUNCH_OPTIONS,
     )
     return probs
 
