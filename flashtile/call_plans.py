@@ -26,7 +26,7 @@ from .configs import any_overridden
 from .kernels.plans import PlanCache
 from .kernels.plans import enabled as launch_plans_enabled
 from .options import PackedSeqs, ScoreParams, draw_dropout_seed, packed_seqs
-from .sinks import unused_rows_lse
+from .sinks import sink_grad_buffer, sink_grad_for, unused_rows_lse
 from .runtime import environment_reader, poison_outputs_enabled, validate_enabled
 
 # The settings read on the long way; their values are part of every key.
@@ -163,7 +163,7 @@ class DenseCall:
         if dout.stride(-1) != 1:
             dout = dout.contiguous()  # e.g. the expanded gradient of out.sum()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dsink = _sink_grad_buffer(params)
+        dsink = sink_grad_buffer(params.learnable_sink)
         layout = (dout.stride(), dout.data_ptr() % 16 == 0)
         plan = self.backward_plans.get(layout)
         if plan is not None:
@@ -173,16 +173,7 @@ class DenseCall:
                                                dsink=dsink)
             if plan is not None:
                 self.backward_plans[layout] = plan
-        return dq, dk, dv, _sink_grad(dsink, params)
-
-
-def _sink_grad_buffer(params: ScoreParams) -> Optional[torch.Tensor]:
-    sink = params.learnable_sink
-    return None if sink is None else torch.empty(sink.shape, dtype=torch.float32, device=sink.device)
-
-
-def _sink_grad(dsink: Optional[torch.Tensor], params: ScoreParams) -> Optional[torch.Tensor]:
-    return None if dsink is None else dsink.to(params.learnable_sink.dtype)
+        return dq, dk, dv, sink_grad_for(params.learnable_sink, dsink)
 
 
 def _with_tensors(params: ScoreParams, alibi_slopes, dropout_seed, device) -> ScoreParams:
@@ -312,7 +303,7 @@ class VarlenCall:
         dq = torch.empty_like(q) if seqs.seqused_q is None else torch.zeros_like(q)
         dk, dv = (torch.empty_like(t) if seqs.seqused_k is None else torch.zeros_like(t) for t in (k, v))
         tensors = (q, k, v, out, dout, lse, dq, dk, dv)
-        dsink = _sink_grad_buffer(params)
+        dsink = sink_grad_buffer(params.learnable_sink)
         layout = (dout.stride(), dout.data_ptr() % 16 == 0)
         plan = self.backward_plans.get(layout)
         if plan is not None:
@@ -322,7 +313,7 @@ class VarlenCall:
                                                dsink)
             if plan is not None:
                 self.backward_plans[layout] = plan
-        return dq, dk, dv, _sink_grad(dsink, params)
+        return dq, dk, dv, sink_grad_for(params.learnable_sink, dsink)
 
 
 VARLEN_CALLS = PlanCache()

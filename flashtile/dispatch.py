@@ -222,13 +222,18 @@ def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optio
             "split-KV" + (", GQA heads as rows" if _rows_from_heads(q, k, params, seqs) else ""))
 
 
+def options_allow_heads_as_rows(params: ScoreParams) -> bool:
+    """Whether a call's options let the query heads of a GQA group run as the rows of their kv head
+    (given one query per sequence, which sees every key whatever the right side of the window): no
+    left window, no ALiBi and no learnable sink (the kernels read both per head, not per row)."""
+    return params.window_left < 0 and params.alibi_slopes is None and params.learnable_sink is None
+
+
 def _rows_from_heads(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> bool:
     """Whether the query heads of each GQA group can run as the rows of their kv head: one query per
-    sequence (it sees every key, whatever the right side of the window), no left window, no ALiBi
-    and no learnable sink (per query head both: the kernels read them per head, not per row). Packed
-    calls qualify when every sequence has exactly one query (total rows == sequences, each at most one)."""
-    if (q.shape[2] == k.shape[2] or params.window_left >= 0 or params.alibi_slopes is not None
-            or params.learnable_sink is not None):
+    sequence and options that allow it (options_allow_heads_as_rows). Packed calls qualify when every
+    sequence has exactly one query (total rows == sequences, each at most one)."""
+    if q.shape[2] == k.shape[2] or not options_allow_heads_as_rows(params):
         return False
     if seqs is None:
         return q.shape[1] == 1
@@ -632,8 +637,8 @@ class KVCacheStep:
         # so each program reads that head's keys and values once for all of them. A single query
         # sees every key whether causal or not, so the rows need no mask between them. Rows are
         # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
-        self.rows_from_heads = (seqlen_q == 1 and nheads > nheads_k and window_left < 0 and window_right < 0
-                                and alibi_slopes is None and learnable_sink is None)
+        self.rows_from_heads = seqlen_q == 1 and nheads > nheads_k and options_allow_heads_as_rows(
+            self.params.with_tensors(alibi_slopes).with_sink(learnable_sink))
         if self.rows_from_heads:
             self.params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
             self.rows, heads = nheads // nheads_k, nheads_k

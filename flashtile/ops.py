@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from . import checks
-from .sinks import unused_rows_lse
+from .sinks import sink_grad_buffer, sink_grad_for, unused_rows_lse
 from .dispatch import attention_backward, attention_forward, attention_probs, kvcache_attention
 from .options import Mods, ScoreParams, packed_seqs
 from .runtime import empty, empty_like, validate_enabled
@@ -106,12 +106,8 @@ def bwd(dout: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], out: 
     return _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink, floats, ints)
 
 
-def _sink_grad_buffer(learnable_sink: Optional[Tensor]) -> Optional[Tensor]:
-    return None if learnable_sink is None else empty(learnable_sink.shape, torch.float32, learnable_sink.device)
-
-
 def _with_sink_grad(grads: List[Tensor], dsink: Optional[Tensor], learnable_sink: Optional[Tensor]) -> List[Tensor]:
-    return grads if dsink is None else grads + [dsink.to(learnable_sink.dtype)]
+    return grads if dsink is None else grads + [sink_grad_for(learnable_sink, dsink)]
 
 
 def _fake_grads(q, k, v, learnable_sink) -> List[Tensor]:
@@ -122,7 +118,7 @@ def _fake_grads(q, k, v, learnable_sink) -> List[Tensor]:
 def _bwd_body(dout, q, k, v, out, lse, alibi_slopes, dropout_seed, learnable_sink, floats, ints, mods=None):
     grads = [empty_like(t) for t in _given(q, k, v)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
-    dsink = _sink_grad_buffer(learnable_sink)
+    dsink = sink_grad_buffer(learnable_sink)
     attention_backward(*_unpack(q, k, v), out, _unit_last_stride(dout), lse, *grad_views,
                        ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, ints[0], ints[1],
                                                 learnable_sink).with_mods(mods),
@@ -264,7 +260,7 @@ def _varlen_bwd_body(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sequse
     zero = [seqused_q is not None, seqused_k is not None, seqused_k is not None]
     grads = [torch.zeros_like(t) if z else empty_like(t) for t, z in zip(_given(q, k, v), zero)]
     grad_views = _unpack(*grads, *(None,) * (3 - len(grads)))
-    dsink = _sink_grad_buffer(learnable_sink)
+    dsink = sink_grad_buffer(learnable_sink)
     attention_backward(*(t.unsqueeze(0) for t in _unpack(q, k, v)), out.unsqueeze(0),
                        _unit_last_stride(dout).unsqueeze(0), lse.unsqueeze(0), *(g.unsqueeze(0) for g in grad_views),
                        ScoreParams.from_op_args(alibi_slopes, dropout_seed, floats, window_left, window_right,

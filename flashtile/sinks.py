@@ -34,3 +34,16 @@ def unused_rows_lse(shape: tuple, learnable_sink: Optional[torch.Tensor], device
     if learnable_sink is None:
         return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
     return learnable_sink.detach().to(torch.float32)[:, None].expand(shape).contiguous()
+
+
+def sink_grad_buffer(learnable_sink: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The float32 (nheads,) buffer a backward with a learnable sink writes the sink's gradient into
+    (None without a sink)."""
+    if learnable_sink is None:
+        return None
+    return torch.empty(learnable_sink.shape, dtype=torch.float32, device=learnable_sink.device)
+
+
+def sink_grad_for(learnable_sink: Optional[torch.Tensor], dsink: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sink's gradient in the sink's dtype (None without a sink)."""
+    return None if dsink is None else dsink.to(learnable_sink.dtype)

@@ -24,6 +24,7 @@ from ..kernels import plans
 from ..block_mask import BlockMask
 from ..kernels.portable import mods as builtin_mods
 from ..options import Mods, PackedSeqs, ScoreParams
+from ..sinks import sink_grad_buffer
 from .common import CallSpec
 
 ARCH = "sm90"
@@ -115,7 +116,7 @@ def gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, cfg
     from ..kernels.hopper.launch import GluonBackward
 
     return capture(lambda: GluonBackward(q, k, v, out, dout, lse, dq, dk, dv, params, cfg, pre_cfg, seqs)(
-        q, k, v, out, dout, lse, dq, dk, dv, params, seqs, dsink=_sink_grad(params)))
+        q, k, v, out, dout, lse, dq, dk, dv, params, seqs, dsink=sink_grad_buffer(params.learnable_sink)))
 
 
 def portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, pre_cfg, dkdv_cfg, dq_cfg,
@@ -125,13 +126,7 @@ def portable_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, 
 
     return capture(lambda: PortableBackward(q, k, v, out, dout, lse, dq, dk, dv, params, pre_cfg, dkdv_cfg, dq_cfg,
                                             seqs)(q, k, v, out, dout, lse, dq, dk, dv, params, seqs,
-                                                  dsink=_sink_grad(params)))
-
-
-def _sink_grad(params: ScoreParams) -> Optional[torch.Tensor]:
-    """The sink gradient's buffer a backward with a learnable sink writes (None without one)."""
-    sink = params.learnable_sink
-    return None if sink is None else torch.empty(sink.shape, dtype=torch.float32, device=sink.device)
+                                                  dsink=sink_grad_buffer(params.learnable_sink)))
 
 
 # ----------------------------------------------------------------------------------------------
