@@ -67,11 +67,16 @@ def _score_options(params: ScoreParams) -> list:
 
 def hopper_takes(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     """Whether the Hopper kernel ``kernel`` computes these score options: anything but dropout (and a
-    scale <= 0), except that the backward's head-dim-256 kernel (head dims above 128) takes no softcap,
-    ALiBi or window."""
-    if params.dropout_p > 0.0 or params.softmax_scale <= 0 or params.mods is not None:
+    scale <= 0) and mods (but the forward takes a relative-bias table alone: mods.relative_bias),
+    except that the backward's head-dim-256 kernel (head dims above 128) takes no softcap, ALiBi or
+    window."""
+    if params.dropout_p > 0.0 or params.softmax_scale <= 0 or not _hopper_takes_mods(kernel, params):
         return False
     return kernel == FWD_GLUON or padded_head_dim(head_dim) <= 128 or not _score_options(params)
+
+
+def _hopper_takes_mods(kernel: str, params: ScoreParams) -> bool:
+    return params.mods is None or (kernel == FWD_GLUON and params.mods.relative_bias_table is not None)
 
 
 def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
@@ -81,8 +86,9 @@ def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
         return f"dropout (dropout_p={params.dropout_p}): the Hopper kernels take no dropout"
     if params.softmax_scale <= 0:
         return f"softmax_scale={params.softmax_scale} <= 0: the Hopper kernels take positive scales"
-    if params.mods is not None:
-        return f"{' and '.join(params.mods.names())}: the Hopper kernels take no user mods (the portable ones do)"
+    if not _hopper_takes_mods(kernel, params):
+        return (f"{' and '.join(params.mods.names())}: the Hopper kernels take no user mods (the portable ones do; "
+                "the Hopper forward takes mods.relative_bias alone)")
     return (f"{' and '.join(_score_options(params))} at head dim {head_dim}: the Hopper backward takes score "
             "options at head dims up to 128 (its head-dim-256 kernel takes plain or causal attention only)")
 
@@ -191,6 +197,10 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     if out.numel() == 0:
         return None
     if params.mods is not None:  # no plan is kept: the mods' tensors are bound into the launch
+        gluon_cfg = _gluon_forward_config(q, k, v, out, params, seqs)
+        if gluon_cfg is not None:  # a relative-bias table alone
+            _gluon_forward_plan(q, k, v, out, lse, params, seqs, gluon_cfg)(q, k, v, out, lse, params, seqs)
+            return None
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
         cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
                          max_seqlen_k, q.dtype)
@@ -318,20 +328,28 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            DecodeForward(q, k, v, out, lse, params, seqs, cfg=c), table_plan.cfg)
     _, _, max_seqlen_k = grid_lengths(q, k, seqs)
-    gluon_cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
-    if gluon_cfg is not None and (seqs is None or tma_aligned(out)):
-        from .kernels.hopper.launch import GluonForward
-
-        def plan_for(cfg):
-            return GluonForward(q, k, v, out, lse, params, cfg, seqs)
+    gluon_cfg = _gluon_forward_config(q, k, v, out, params, seqs)
+    if gluon_cfg is not None:
         cfg = _tuned(FWD_GLUON, q, v, params, max_seqlen_k, gluon_cfg, GLUON_CANDIDATES[FWD_GLUON],
-                     lambda c: plan_for(c)(q, k, v, out, lse, params, seqs))
-        return plan_for(cfg)
+                     lambda c: _gluon_forward_plan(q, k, v, out, lse, params, seqs, c)(q, k, v, out, lse, params, seqs))
+        return _gluon_forward_plan(q, k, v, out, lse, params, seqs, cfg)
     kernel = forward_kernel(q, k, seqs)
     cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
     cfg = _tuned(kernel, q, v, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
                  lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
     return _FittedPlan(lambda c: PortableForward(q, k, v, out, lse, params, c, seqs), cfg)
+
+
+def _gluon_forward_config(q, k, v, out, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[Config]:
+    """The Hopper forward's config for this call, or None (a packed call's out must be TMA-aligned too)."""
+    cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
+    return cfg if cfg is not None and (seqs is None or tma_aligned(out)) else None
+
+
+def _gluon_forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], cfg) -> Callable:
+    from .kernels.hopper.launch import GluonForward
+
+    return GluonForward(q, k, v, out, lse, params, cfg, seqs)
 
 
 class _FittedPlan:

@@ -274,7 +274,10 @@ def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, ba
         checks.check_aux_tensors(aux_tensors, device)
         aux = tuple(aux_tensors)
     score_aux = aux
+    relative_bias_table = None
     if isinstance(score_mod, ScoreMod):
+        if score_mod.fn is builtin.relative_bias_score and score_mod.aux_tensors[0].shape[0] == nheads:
+            relative_bias_table = score_mod.aux_tensors[0]
         if score_mod_bwd is not None:
             raise ValueError("score_mod_bwd: a flashtile.mods.ScoreMod carries its own backward; pass a plain "
                              "function as score_mod to give one")
@@ -305,4 +308,6 @@ def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, ba
         raise TypeError(f"mask_mod must be a @triton.jit function or None, got {type(mask_mod).__name__}")
     if score_mod is None and mask_mod is None:
         raise ValueError("aux_tensors were given without a score_mod or mask_mod to read them")
-    return Mods(score_mod, score_mod_bwd, mask_mod, score_aux, mask_aux, block_mask, bias)
+    only_score_mod = mask_mod is None and block_mask is None
+    return Mods(score_mod, score_mod_bwd, mask_mod, score_aux, mask_aux, block_mask, bias,
+                relative_bias_table=relative_bias_table if only_score_mod else None)

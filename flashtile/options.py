@@ -63,6 +63,9 @@ class Mods:
     # gradient is accumulated there (AttnBias.backward_mods).
     dq_score_mod_bwd: Optional[object] = None
     dq_score_aux: Optional[tuple] = None
+    # The table of flashtile.mods.relative_bias when it is the only mod: the Hopper forward adds it
+    # itself (dispatch.hopper_takes; kernels/hopper/scores.relative_bias_log2).
+    relative_bias_table: Optional[torch.Tensor] = None
 
     def names(self) -> List[str]:
         """The mods set, by argument name (for the dispatcher's explanations)."""

@@ -231,6 +231,45 @@ def test_builtin_mods(builtin, as_mod):
                dict(causal=True, **reference))
 
 
+def relative_bias_twin(table):
+    distance = table.shape[1] // 2
+
+    def twin(s, b, h, i, j):
+        return s + table.to(s.dtype)[h, (j - i).clamp(-distance, distance) + distance]
+    return twin
+
+
+@pytest.mark.parametrize("seqlens", SEQLENS if ON_GPU else SEQLENS[:1])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256] if ON_GPU else [64])
+@pytest.mark.parametrize("max_distance", [16, 128] if ON_GPU else [16])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=False), dict(window_size=(300, 40), softcap=5.0)])
+def test_relative_bias_in_the_hopper_forward(seqlens, head_dim, max_distance, options):
+    """mods.relative_bias alone runs in the Hopper forward (a key block farther than D from every row
+    adds one entry of the table, the rest gather), with flash_attn's options beside it; the backward
+    on the portable kernels, from that forward's out and lse. GQA, lengths that are not multiples of
+    the tiles, and seqlen_q != seqlen_k (the table reads raw positions, not bottom-right ones)."""
+    dtype = DTYPES[-1] if ON_GPU else DTYPES[0]
+    q, k, v = make_qkv(2, *seqlens, 4, 2, head_dim, dtype)
+    table = randn(4, 2 * max_distance + 1, dtype=torch.float32)
+    mod = flashtile.mods.relative_bias(table)
+    explanation = flashtile.explain(q, k, v, score_mod=mod, device_capability=(9, 0), **options)
+    assert explanation.forward.path == "hopper", explanation.forward.reason
+    assert explanation.backward.path == "portable" and "relative_bias alone" in explanation.backward.reason
+    check_mods(flashtile.flash_attn_func, q, k, v, dict(score_mod=mod, **options),
+               dict(score_mod=relative_bias_twin(table), **options))
+
+
+def test_relative_bias_in_the_hopper_forward_packed():
+    dtype = DTYPES[-1] if ON_GPU else DTYPES[0]
+    q, k, v, cu_q, cu_k = make_packed_qkv([300, 1, 470, 0], [400, 9, 600, 5], 4, 2, 64, dtype)
+    table = randn(4, 2 * 64 + 1, dtype=torch.float32)
+    layout = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=470, max_seqlen_k=600)
+    check_mods(functools.partial(flashtile.flash_attn_varlen_func, **layout), q, k, v,
+               dict(causal=True, score_mod=flashtile.mods.relative_bias(table)),
+               dict(causal=True, score_mod=relative_bias_twin(table)),
+               reference=functools.partial(attention_varlen_naive, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+
+
 def test_builtin_alibi_sees_raw_positions():
     """seqlen_q != seqlen_k: the mod's |q_idx - kv_idx| is not flash_attn's bottom-right distance,
     so the call stays a score mod."""

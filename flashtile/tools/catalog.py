@@ -356,10 +356,20 @@ def _attn_bias_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
     return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
 
 
+def _relative_bias_params(causal: bool, nheads: int) -> ScoreParams:
+    """A relative-position bias table alone (mods.relative_bias, D = 128): the one mod the Hopper
+    forward takes."""
+    table = _empty(nheads, 257, dtype=torch.float32)
+    mods = Mods(builtin_mods.relative_bias_score, builtin_mods.additive_bwd, None, (table, _empty(1, dtype=torch.int32)),
+                relative_bias_table=table)
+    return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
+
+
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper forward: a dense batch, a packed one, a dense batch with every
-    score option at once (a sliding window, softcap, (b, h) ALiBi slopes), and from head dim 128 a
-    dense batch whose values have half the head dim (head_dim_v != head_dim_qk)."""
+    score option at once (a sliding window, softcap, (b, h) ALiBi slopes), one with a relative-bias
+    table, and from head dim 128 a dense batch whose values have half the head dim
+    (head_dim_v != head_dim_qk)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
     out, lse = torch.empty_like(q), _empty(2, h, 1024, dtype=torch.float32)
@@ -369,7 +379,8 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     params, options = _params(causal), _option_params(causal, 2, h)
     builds = [("dense", lambda: gluon_forward(q, q, q, out, lse, params, cfg)),
               ("varlen", lambda: gluon_forward(qv, qv, qv, outv, lsev, params, cfg, seqs)),
-              ("options", lambda: gluon_forward(q, q, q, out, lse, options, cfg))]
+              ("options", lambda: gluon_forward(q, q, q, out, lse, options, cfg)),
+              ("relative-bias", lambda: gluon_forward(q, q, q, out, lse, _relative_bias_params(causal, h), cfg))]
     if d >= 128:
         v_half = _empty(2, 1024, h, d // 2, dtype=dtype)
         builds.append(("head-dim-v", lambda: gluon_forward(q, q, v_half, torch.empty_like(v_half), lse, params, cfg)))
@@ -516,13 +527,13 @@ def _gluon_rows(family: str, kernel: str, builds, d: int, causal: bool, dtype, w
     rows = []
     for cfg, where in table_configs(kernel, d, causal).items():
         for layout, build in builds(d, cfg, causal, dtype):
-            # The options' variant compiles each config the dense table picks.
-            lengths = where.get("dense" if layout in ("options", "head-dim-v") else layout)
+            # The variants of a dense call compile each config the dense table picks.
+            lengths = where.get(layout if layout in ("dense", "varlen") else "dense")
             if lengths is not None:
                 rows.append(Variant(family, d, causal, f"{layout} {lengths}", repr(cfg), build, part))
     if with_candidates:
         for name, cfg in candidates(kernel, d).items():
             for layout, build in builds(d, cfg, causal, dtype):
-                if layout not in ("options", "head-dim-v"):
+                if layout in ("dense", "varlen"):
                     rows.append(Variant(family, d, causal, f"{layout} {name}", name, build, part))
     return rows

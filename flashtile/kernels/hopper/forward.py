@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import reinterpret, tma_load, tma_store
 from .block_info import key_blocks
-from .scores import LN2, alibi_slope_log2, modded_scores_log2
+from .scores import LN2, alibi_slope_log2, modded_scores_log2, relative_bias_log2, relative_bias_row
 from .seqlen_info import forward_tile
 from .sink import fold_sink, load_sink_log2
 
@@ -192,20 +192,23 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 @gluon.jit
 def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, score,
                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Online-softmax update for one score block (keys from start_n). Returns (p, alpha, m_new,
     l_new); m is in scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2. ROW_SUM_MMA: l
     is the tensor cores' (see _consume) and comes back as it came. MASK: keys past the ragged end
     and, when CAUSAL, past the row's diagonal (rows + diag, bottom-right aligned), and with a window
     (LOCAL) outside the row's band, count as -inf. score: (ALiBi slope, softcap scale, softcap,
-    window left, window right) of SOFTCAP / ALIBI / LOCAL (scores.py)."""
-    slope_log2, softcap_scale, softcap_log2, window_left, window_right = score
+    window left, window right, relative-bias row, its distance, the slice's first row) of SOFTCAP /
+    ALIBI / LOCAL / REL_BIAS (scores.py)."""
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0 = score
     offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    MODDED: gl.constexpr = SOFTCAP or ALIBI
+    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS
     if MODDED:
         # The options' scores are in log2 units already: the max and exp2 below take them as they are.
         offset = gl.expand_dims(rows + diag - start_n, 1) - gl.expand_dims(offsets, 0)
         s, _ = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP, ALIBI)
+        if REL_BIAS:
+            s = relative_bias_log2(s, rows, offsets, start_n, row0, rel_row, rel_distance, BLOCK_N)
     if MASK:
         # One compare per score: the column's offset in the block (a constant per thread) against
         # the row's last visible key, moved into the block. Comparing absolute key indices with
@@ -292,7 +295,7 @@ def _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES: gl.constexpr):
 def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn,
                       other_turn, acc, p_op, m_i, l_i, j_start, j_end, kv0, turn0, rows, seqlen_k, diag,
                       qk_scale_log2, score, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                      CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr,
                       PINGPONG: gl.constexpr, s_layout: gl.constexpr,
                       p_layout: gl.constexpr, SKIP_LAST_CHUNK: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together (and
@@ -327,7 +330,7 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
             s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(stage))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2, score,
-                                            BLOCK_N, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, s_layout, ROW_SUM_MMA)
+                                            BLOCK_N, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, s_layout, ROW_SUM_MMA)
         if ROW_SUM_MMA:
             acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
             l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
@@ -413,7 +416,7 @@ def _release_blocks(k_ready, k_empty, v_ready, v_empty, kv0, j_start, j_end, NUM
 def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
                      other_turn, acc, p_op, m_i, l_i, j, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
                      CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+                     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
                      p_layout: gl.constexpr):
     """The tile's last key block j (>= 1) for a warpgroup whose rows see only its first BLOCK_N / 2 keys
     (TRIM_DIAGONAL): S = Q K_j[:half]^T is issued with O += P_{j-1} V_{j-1}, then O += P_j V_j[:half].
@@ -449,7 +452,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
     else:
         l_h = gl.convert_layout(l_i, h_rows)
     p, alpha, m_h, l_h = _softmax_block(s, m_h, l_h, gl.convert_layout(rows, h_rows), j * BLOCK_N, seqlen_k, diag,
-                                        qk_scale_log2, score, HALF, True, CAUSAL, False, SOFTCAP, ALIBI, h_layout,
+                                        qk_scale_log2, score, HALF, True, CAUSAL, False, SOFTCAP, ALIBI, REL_BIAS, h_layout,
                                         ROW_SUM_MMA)
     if ROW_SUM_MMA:
         acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
@@ -480,7 +483,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked, n_total,
              kv0, turn0, q_phase, reverse, score, sink_ptr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
              HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
              TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, HEAD_DIM_V_TRUE: gl.constexpr):
@@ -524,6 +527,9 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
 
     my_start = _chunk_start(start_m, CONSUMER, reverse, BLOCK_M // 64)
     rows = my_start + gl.arange(0, 64, layout=row_layout)
+    # The relative bias reads its blocks' distance from the diagonal off the slice's first row.
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, unset = score
+    score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, my_start)
     diag = seqlen_k - seqlen_q
 
     # Ping-pong: consumer warpgroups take turns (round robin) issuing their wgmmas, so one's
@@ -577,11 +583,11 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         # split an async group.
         if (n_free_lo <= n_first) & (n_first < n_unmasked):
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                                score, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, s_layout,
+                                                score, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, s_layout,
                                                 ROW_SUM_MMA)
         else:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                                score, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, s_layout,
+                                                score, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, s_layout,
                                                 ROW_SUM_MMA)
         p_op = _probabilities_operand(p, v_smem.dtype, p_layout)
 
@@ -598,7 +604,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             acc, p_op, m_i, l_i = _pipelined_blocks(
                 q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc,
                 p_op, m_i, l_i, n_first + 1, free_start, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-                BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, s_layout, p_layout,
+                BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, s_layout, p_layout,
                 SKIP_LAST_CHUNK, ROW_SUM_MMA)
             split = gl.minimum(gl.maximum(n_unmasked, free_start), gl.maximum(n_wide, free_start))
         else:
@@ -606,12 +612,12 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
             m_i, l_i, free_start, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-            BLOCK_N, NUM_STAGES, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
+            BLOCK_N, NUM_STAGES, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
             ROW_SUM_MMA)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
             m_i, l_i, split, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-            BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
+            BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
             ROW_SUM_MMA)
 
         if TRIM_DIAGONAL:
@@ -619,7 +625,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                 acc, m_i, l_i = _half_last_block(
                     q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
                     other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, PINGPONG, PERSISTENT, ROW_SUM_MMA,
+                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, PERSISTENT, ROW_SUM_MMA,
                     p_layout)
             else:
                 acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
@@ -721,9 +727,9 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
               cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group,
               qk_scale_log2, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes, stride_alibi_b,
-              sink_ptr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              sink_ptr, rel_bias_table, rel_bias_distance, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, PINGPONG: gl.constexpr,
+              ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
               ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr,
               HEAD_DIM_V_TRUE: gl.constexpr):
@@ -742,12 +748,13 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                 if OWN_KEY_RANGE:
                     reverse = half == 1
                 score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale,
-                         softcap_log2, window_left, window_right)
+                         softcap_log2, window_left, window_right,
+                         relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS), rel_bias_distance, 0)
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_first, n_free_lo,
                          n_unmasked, n_total, kv0, turn0, tile_iter & 1, reverse, score, sink_ptr, CONSUMER, BLOCK_M,
-                         BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, False, False, HEAD_DIM_TRUE,
+                         BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, False, False, HEAD_DIM_TRUE,
                          True, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
                 n_blocks = n_total - n_first
                 kv0 += n_blocks
@@ -763,21 +770,22 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
         n_first, n_free_lo, n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                              BLOCK_M, BLOCK_N, CAUSAL, LOCAL, seqused_q is not None)
         score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
-                 window_left, window_right)
+                 window_left, window_right, relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS),
+                 rel_bias_distance, 0)
         if IS_VARLEN:
             if valid:
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first,
                          n_free_lo, n_unmasked, n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, seqused_q is not None,
+                         NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, seqused_q is not None,
                          HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked,
                      n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LOCAL,
-                     SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
+                     SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
                      OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
 
 
@@ -794,7 +802,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
 # (query block, head, batch) of the grid.
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group",
                               "n_batch", "heads_per_group", "stride_o_s", "stride_o_h", "window_left", "window_right",
-                              "stride_alibi_b"])
+                              "stride_alibi_b", "rel_bias_distance"])
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h,
                           seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group, qk_scale_log2,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o_ptr, stride_o_s, stride_o_h,
@@ -806,7 +814,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           OWN_KEY_RANGE: gl.constexpr = False, LOCAL: gl.constexpr = False,
                           SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, window_left=0, window_right=0,
                           softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0,
-                          HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None):
+                          HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None, rel_bias_table=None,
+                          rel_bias_distance=0):
+    # rel_bias_table: a relative-position bias table (nheads, 2 * rel_bias_distance + 1), float32
+    # (flashtile.mods.relative_bias, scores.relative_bias_log2), or None.
+    REL_BIAS: gl.constexpr = rel_bias_table is not None
     # V's (and O's) head dim when it differs from Q's and K's (v_desc's and o_desc's boxes are its padded
     # width); None: the same.
     V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
@@ -867,8 +879,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
@@ -881,15 +893,15 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
@@ -902,22 +914,22 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
@@ -931,29 +943,29 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,

@@ -25,8 +25,9 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
                             config: GluonFwdConfig, *, cu_seqlens_q=None, cu_seqlens_k=None,
                             seqused_q=None, seqused_k=None, max_seqlen_q=None, **options) -> None:
     """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
-    ``options`` (ForwardPlan's): softcap, window_left / window_right, alibi_slopes, as flash_attn's, and
-    learnable_sink ((h,) sink logits, taken into out and lse: kernels/portable/sink.py).
+    ``options`` (ForwardPlan's): softcap, window_left / window_right, alibi_slopes, as flash_attn's,
+    learnable_sink ((h,) sink logits, taken into out and lse: kernels/portable/sink.py), and
+    rel_bias_table (a float32 (h, 2 * D + 1) relative-position bias table: flashtile.mods.relative_bias).
 
     Dense: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out (b, sq, h, dv); lse (b, h, sq) float32.
     Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, out (1, total_q, h, d),
@@ -54,7 +55,7 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen,
                        **options)
     descriptors = plan.descriptors(q, k, v, out)
-    tensors = dict(alibi_slopes=options.get("alibi_slopes"), learnable_sink=options.get("learnable_sink"))
+    tensors = {name: options.get(name) for name in ("alibi_slopes", "learnable_sink", "rel_bias_table")}
     return lambda: plan.launch(descriptors, out, lse, **tensors, **varlen)
 
 
@@ -106,7 +107,7 @@ class ForwardPlan:
 
     def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, max_seqlen_q=None, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, alibi_slopes=None, learnable_sink=None):
+                 window_right: int = -1, alibi_slopes=None, learnable_sink=None, rel_bias_table=None):
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         local, window_left, window_right = band_sides(causal, window_left, window_right)
@@ -121,6 +122,8 @@ class ForwardPlan:
         # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
         assert not cfg.own_key_range or not (cfg.pingpong or cfg.trim_diagonal)
         assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
+        assert rel_bias_table is None or (rel_bias_table.dtype == torch.float32 and rel_bias_table.is_contiguous()
+                                          and rel_bias_table.shape[0] == nheads and rel_bias_table.shape[1] % 2)
         varlen = cu_seqlens_q is not None
         if varlen:
             assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
@@ -180,21 +183,23 @@ class ForwardPlan:
                  OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
                  **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes),
                  **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
+                 rel_bias_table=rel_bias_table,
+                 rel_bias_distance=0 if rel_bias_table is None else rel_bias_table.shape[1] // 2,
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr"))
+                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table"))
 
     def descriptors(self, q, k, v, out) -> tuple:
         """The TMA descriptors of one call's tensors (q, k, v, o order)."""
         return self.q_tiles(q), self.k_tiles(k), self.v_tiles(v), self.o_tiles(out)
 
     def launch(self, descriptors, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-               seqused_k=None, alibi_slopes=None, learnable_sink=None):
+               seqused_k=None, alibi_slopes=None, learnable_sink=None, rel_bias_table=None):
         """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
         if self.call is None:
             return None
         return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         out if self.varlen else None, alibi_slopes, learnable_sink)
+                         out if self.varlen else None, alibi_slopes, learnable_sink, rel_bias_table)
 
     def __call__(self, q, k, v, out, lse, **varlen):
         if self.call is None:

@@ -23,14 +23,22 @@ class GluonForward:
                                 cfg, max_seqlen_q=None if seqs is None else seqs.max_seqlen_q,
                                 softcap=params.softcap, window_left=params.window_left,
                                 window_right=params.window_right, alibi_slopes=params.alibi_slopes,
-                                learnable_sink=params.learnable_sink, **gluon_seq_tensors(seqs))
+                                learnable_sink=params.learnable_sink, rel_bias_table=_rel_bias_table(params),
+                                **gluon_seq_tensors(seqs))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
-        tensors = dict(alibi_slopes=params.alibi_slopes, learnable_sink=params.learnable_sink)
+        tensors = dict(alibi_slopes=params.alibi_slopes, learnable_sink=params.learnable_sink,
+                       rel_bias_table=_rel_bias_table(params))
         if seqs is None:
             self.plan(q, k, v, out, lse, **tensors)
         else:
             self.plan(q, k, v, out, lse[0], **tensors, **gluon_seq_tensors(seqs))
+
+
+def _rel_bias_table(params: ScoreParams):
+    """The relative-position bias table of a call whose only mod is mods.relative_bias (the one mod the
+    Hopper forward takes: dispatch.hopper_takes), else None."""
+    return None if params.mods is None else params.mods.relative_bias_table
 
 
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,

@@ -1,5 +1,6 @@
 """The Hopper kernels' score options, written once for the forward and the backward: softcap and
-ALiBi on a tile of raw dot products, and the sliding-window band. Same order and meaning as the
+ALiBi on a tile of raw dot products, and the sliding-window band; and the forward's relative-position
+bias table (flashtile.mods.relative_bias). Same order and meaning as the
 portable kernels' pipeline (portable/scores.py): q.k * scale -> softcap -> + ALiBi bias -> the
 causal / window / bounds mask, scores in log2 units so the softmax uses exp2.
 
@@ -56,3 +57,32 @@ def alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI: gl.conste
     else:
         slope = 0.0
     return slope
+
+
+@gluon.jit
+def relative_bias_row(table, head, max_distance, REL_BIAS: gl.constexpr):
+    """The head's row of a relative-position bias table (nheads, 2 * max_distance + 1); 0 without one."""
+    if REL_BIAS:
+        row = table + head * (2 * max_distance + 1)
+    else:
+        row = 0
+    return row
+
+
+@gluon.jit
+def relative_bias_log2(s, rows, cols, start_n, row0, table_row, max_distance, BLOCK_N: gl.constexpr):
+    """s (scores in log2 units) + T[clamp(kv - q, -D, D) + D] * log2(e), for the 64 query positions
+    ``rows`` (from row0) and the keys start_n + cols: T the head's table row, D max_distance.
+    The table is constant beyond D on either side, so a key block farther than D from every row
+    adds one entry of T; only the blocks within D of the diagonal gather (from L1: T is a few KB)."""
+    nearest = start_n - (row0 + 63)  # the block's smallest kv - q
+    farthest = start_n + (BLOCK_N - 1) - row0  # and its largest
+    if farthest <= -max_distance:
+        s = s + gl.load(table_row) * LOG2E
+    elif nearest >= max_distance:
+        s = s + gl.load(table_row + 2 * max_distance) * LOG2E
+    else:
+        distance = gl.expand_dims(cols + start_n, 0) - gl.expand_dims(rows, 1)
+        index = gl.minimum(gl.maximum(distance, -max_distance), max_distance) + max_distance
+        s = s + gl.load(table_row + index) * LOG2E
+    return s
