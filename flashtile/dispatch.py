@@ -62,21 +62,22 @@ def _score_options(params: ScoreParams) -> list:
         options.append("ALiBi (alibi_slopes)")
     if params.window_left >= 0 or params.window_right not in (-1, 0):
         options.append(f"a sliding window (window_size=({params.window_left}, {params.window_right}))")
+    if params.mods is not None and params.mods.relative_bias_table is not None:
+        options.append("a relative-position bias table (mods.relative_bias)")
     return options
 
 
 def hopper_takes(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     """Whether the Hopper kernel ``kernel`` computes these score options: anything but dropout (and a
-    scale <= 0) and mods (but the forward takes a relative-bias table alone: mods.relative_bias),
-    except that the backward's head-dim-256 kernel (head dims above 128) takes no softcap, ALiBi or
-    window."""
-    if params.dropout_p > 0.0 or params.softmax_scale <= 0 or not _hopper_takes_mods(kernel, params):
+    scale <= 0) and mods (but for a relative-bias table alone: mods.relative_bias), except that the
+    backward's head-dim-256 kernel (head dims above 128) takes no softcap, ALiBi, window or table."""
+    if params.dropout_p > 0.0 or params.softmax_scale <= 0 or not _hopper_takes_mods(params):
         return False
     return kernel == FWD_GLUON or padded_head_dim(head_dim) <= 128 or not _score_options(params)
 
 
-def _hopper_takes_mods(kernel: str, params: ScoreParams) -> bool:
-    return params.mods is None or (kernel == FWD_GLUON and params.mods.relative_bias_table is not None)
+def _hopper_takes_mods(params: ScoreParams) -> bool:
+    return params.mods is None or params.mods.relative_bias_table is not None
 
 
 def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
@@ -86,9 +87,9 @@ def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
         return f"dropout (dropout_p={params.dropout_p}): the Hopper kernels take no dropout"
     if params.softmax_scale <= 0:
         return f"softmax_scale={params.softmax_scale} <= 0: the Hopper kernels take positive scales"
-    if not _hopper_takes_mods(kernel, params):
+    if not _hopper_takes_mods(params):
         return (f"{' and '.join(params.mods.names())}: the Hopper kernels take no user mods (the portable ones do; "
-                "the Hopper forward takes mods.relative_bias alone)")
+                "the Hopper kernels take mods.relative_bias alone)")
     return (f"{' and '.join(_score_options(params))} at head dim {head_dim}: the Hopper backward takes score "
             "options at head dims up to 128 (its head-dim-256 kernel takes plain or causal attention only)")
 
@@ -518,10 +519,14 @@ def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gl
         else:
             chunk = (q[:, :, h0:h1], k[:, :, hk0:hk1], v[:, :, hk0:hk1], out[:, :, h0:h1], dout[:, :, h0:h1],
                      lse[:, h0:h1], dq[:, :, h0:h1], dk[:, :, hk0:hk1], dv[:, :, hk0:hk1])
-            # The chunk's heads' slopes ((h,) or (b, h)) and sinks.
+            # The chunk's heads' slopes ((h,) or (b, h)), sinks and relative-bias table rows (the one
+            # mod the Hopper kernels take).
+            mods = params.mods
             chunk_params = dataclasses.replace(
                 params, alibi_slopes=None if params.alibi_slopes is None else params.alibi_slopes[..., h0:h1],
-                learnable_sink=None if params.learnable_sink is None else params.learnable_sink[h0:h1])
+                learnable_sink=None if params.learnable_sink is None else params.learnable_sink[h0:h1],
+                mods=None if mods is None else dataclasses.replace(
+                    mods, relative_bias_table=mods.relative_bias_table[h0:h1]))
             chunk_dsink = None if dsink is None else dsink[h0:h1]
 
         def run_gluon(cfg, chunk=chunk, chunk_params=chunk_params, chunk_dsink=chunk_dsink):

@@ -358,7 +358,7 @@ def _attn_bias_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
 
 def _relative_bias_params(causal: bool, nheads: int) -> ScoreParams:
     """A relative-position bias table alone (mods.relative_bias, D = 128): the one mod the Hopper
-    forward takes."""
+    kernels take."""
     table = _empty(nheads, 257, dtype=torch.float32)
     mods = Mods(builtin_mods.relative_bias_score, builtin_mods.additive_bwd, None, (table, _empty(1, dtype=torch.int32)),
                 relative_bias_table=table)
@@ -389,8 +389,8 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
 
 def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper backward (GQA: half as many KV heads), dense and packed, up to
-    head dim 128 a dense batch with every score option, and at head dim 256 a dense batch whose
-    values have half the head dim."""
+    head dim 128 a dense batch with every score option and one with a relative-bias table, and at
+    head dim 256 a dense batch whose values have half the head dim."""
     h, hk = 2048 // d, 2048 // d // 2
     params = _params(causal)
     pre = table_config(BWD_PREPROCESS, ARCH, d, causal, 4096, dtype)
@@ -407,6 +407,7 @@ def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     if d <= 128:
         options = _option_params(causal, 2, h)
         builds.append(("options", lambda: gluon_backward(*dense, options, cfg, pre)))
+        builds.append(("relative-bias", lambda: gluon_backward(*dense, _relative_bias_params(causal, h), cfg, pre)))
     if d == 256:
         builds.append(("head-dim-v", lambda: gluon_backward(*_half_values(list(dense)), params, cfg, pre)))
     return builds

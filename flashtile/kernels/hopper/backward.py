@@ -69,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import VERSION, barrier, reinterpret, tma_load, tma_reduce_add, tma_store
 from .block_info import query_block_range
-from .scores import alibi_slope_log2, modded_scores_log2
+from .scores import alibi_slope_log2, modded_scores_log2, relative_bias_log2, relative_bias_row
 from .seqlen_info import backward_sequence
 
 # wgmma's M per warpgroup: each consumer warpgroup owns this many keys.
@@ -380,16 +380,17 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                   MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
                   s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, first_it=0,
                   OPAQUE_KV: gl.constexpr = False, score=None, LOCAL: gl.constexpr = False,
-                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, REL_BIAS: gl.constexpr = False):
     """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, and reduce-add the dQ
     of the block before each (its dS^T halves are in shared memory by then: the warpgroups need
     not meet every block, so one's elementwise phase can overlap the other's wgmmas). prev_row,
     prev_head: where that previous block's dQ goes (the caller drains the last one). first_it: the
     ring position of the key block's first query block (a persistent CTA's key blocks continue the
     ring and the dS^T buffers' phases). OPAQUE_KV: index the K, V tiles with _opaque_zero.
-    score: (ALiBi slope, softcap scale, softcap, window left, window right) of SOFTCAP / ALIBI / LOCAL
-    (scores.py; the forward's _softmax_block takes the same). With softcap or ALiBi the scores are
-    formed from the raw S^T (the accumulator starts at 0, not -lse) and masked after the options."""
+    score: (ALiBi slope, softcap scale, softcap, window left, window right, relative-bias row, its
+    distance) of SOFTCAP / ALIBI / LOCAL / REL_BIAS (scores.py; the forward's _softmax_block takes
+    the same). With softcap, ALiBi or the relative bias the scores are formed from the raw S^T (the
+    accumulator starts at 0, not -lse) and masked after the options."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     dtype: gl.constexpr = k_smem.dtype
     diag = seqlen_k - seqlen_q
@@ -398,9 +399,9 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse_to_score = 1.0 / qk_scale_log2
-    MODDED: gl.constexpr = SOFTCAP or ALIBI
+    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS
     if LOCAL or MODDED:
-        slope_log2, softcap_scale, softcap_log2, window_left, window_right = score
+        slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance = score
     else:
         window_left = 0
         window_right = 0
@@ -450,6 +451,11 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                       - gl.expand_dims(keys, 1))
             s, t = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP,
                                       ALIBI)
+            if REL_BIAS:
+                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                s = relative_bias_log2(s, gl.expand_dims(keys, 1), gl.expand_dims(queries, 0),
+                                       key0 - (start_m + BLOCK_M - 1), key0 + (_KPC - 1) - start_m, rel_row,
+                                       rel_distance)
             s = s - gl.expand_dims(lse, 0)
             if MASK:
                 s = _mask_keys(s, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout, LOCAL, window_left,
@@ -508,7 +514,8 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
                   CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
                   it0=0, kv_empty=None, batch=0, alibi_slopes=None, stride_alibi_b=0, window_left=0, window_right=0,
                   softcap_scale=0.0, softcap_log2=0.0, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-                  ALIBI: gl.constexpr = False):
+                  ALIBI: gl.constexpr = False, rel_bias_table=None, rel_bias_distance=0,
+                  REL_BIAS: gl.constexpr = False):
     """This warpgroup's share of the key block at start_n: its dK, dV over every query block that
     sees the key block, its share of their dQ. A persistent CTA (kv_empty given) starts at ring
     position it0 with K, V already waited for, and returns the position after its last block.
@@ -540,22 +547,23 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
     for g in range(head_group):
         head = kv_head * head_group + g
         score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
-                 window_left, window_right)
+                 window_left, window_right, relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS),
+                 rel_bias_distance)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS)
 
     if it > it0:
         # dQ of the last query block.
@@ -646,7 +654,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
               COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr):
+              ALIBI: gl.constexpr, rel_bias_table, rel_bias_distance, REL_BIAS: gl.constexpr):
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * _BN
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -663,7 +671,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                       softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                       CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE, 0, None,
                       gl.program_id(2), alibi_slopes, stride_alibi_b, window_left, window_right, softcap_scale,
-                      softcap_log2, LOCAL, SOFTCAP, ALIBI)
+                      softcap_log2, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS)
     if COUNT_DONE:
         _warpgroup_writes_landed(stored)
 
@@ -727,7 +735,7 @@ def _shared_buffers(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_de
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "nheads", "head_group", "lse_row_stride", "stride_dk_s",
                               "stride_dk_h", "stride_dv_s", "stride_dv_h", "window_left", "window_right",
-                              "stride_alibi_b"])
+                              "stride_alibi_b", "rel_bias_distance"])
 def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                           seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, qk_scale_log2, softmax_scale,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr,
@@ -737,7 +745,9 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                           IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, HEADS_FIRST: gl.constexpr,
                           LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
                           window_left=0, window_right=0, softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None,
-                          stride_alibi_b=0):
+                          stride_alibi_b=0, rel_bias_table=None, rel_bias_distance=0):
+    # rel_bias_table: as the forward's (forward.py), or None.
+    REL_BIAS: gl.constexpr = rel_bias_table is not None
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = _shared_buffers(
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, BLOCK_M, NUM_STAGES)
 
@@ -753,14 +763,14 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
                      stride_alibi_b, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI)),
+                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS)),
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
                      stride_alibi_b, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI)),
+                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,

@@ -126,12 +126,12 @@ class BackwardPlan:
 
     def __init__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, softmax_scale, causal, config, *,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k, softcap: float = 0.0,
-                 window_left: int = -1, window_right: int = -1, alibi_slopes=None):
+                 window_left: int = -1, window_right: int = -1, alibi_slopes=None, rel_bias_table=None):
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         cfg = config
         local, window_left, window_right = band_sides(causal, window_left, window_right)
-        options = local or softcap > 0 or alibi_slopes is not None
+        options = local or softcap > 0 or alibi_slopes is not None or rel_bias_table is not None
         if options:
             # The score options live in the two-warpgroup kernel (head dims up to 128), not persistent.
             assert padded_head_dim(head_dim) <= 128, "the d256 backward takes no score options"
@@ -176,7 +176,7 @@ class BackwardPlan:
             self.option_slots = kernel_fn is gluon_attn_bwd_kernel
             if self.option_slots:
                 options_arguments = option_arguments(softmax_scale, local, window_left, window_right, softcap,
-                                                      alibi_slopes)
+                                                      alibi_slopes, rel_bias_table)
             self.main = CompiledCall(
                 kernel_fn, grid,
                 (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
@@ -188,7 +188,7 @@ class BackwardPlan:
                      **options_arguments, **extra),
                 slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
                        "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
-                       "dv_ptr", "done_counts") + (("alibi_slopes",) if self.option_slots else ()))
+                       "dv_ptr", "done_counts") + (("alibi_slopes", "rel_bias_table") if self.option_slots else ()))
         # Dense batches may overlap the convert with the kernel's last CTAs (see "The dQ convert
         # overlapped with the kernel's last CTAs"): each CTA counts itself in once.
         self.overlap_convert = cfg.overlap_convert and not varlen and self.main is not None and not self.persistent
@@ -209,7 +209,7 @@ class BackwardPlan:
         return tuple(template(t) for template, t in zip(self.templates, tensors))
 
     def launch(self, descriptors, dq, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_q=None, done_counts=None, alibi_slopes=None):
+               seqused_q=None, done_counts=None, alibi_slopes=None, rel_bias_table=None):
         """Runs the backward into dq_acc (zeroed by the caller), dk, dv, then dq <- dq_acc * scale, with
         descriptors from :meth:`descriptors`. done_counts: if needs_counts, the int32 (b, nheads_k)
         counts from done_counts_buffer, zeroed by the caller (a persistent plan draws its units from
@@ -222,12 +222,13 @@ class BackwardPlan:
                 kernel = self.main(*descriptors, done_counts)
                 done_counts = None  # not done counts: the convert runs after the kernel
             else:
-                slopes = (alibi_slopes,) if self.option_slots else ()
+                option_tensors = (alibi_slopes, rel_bias_table) if self.option_slots else ()
                 if self.varlen:
                     kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv,
-                                       None, *slopes)
+                                       None, *option_tensors)
                 else:
-                    kernel = self.main(*descriptors, None, None, None, None, None, None, None, done_counts, *slopes)
+                    kernel = self.main(*descriptors, None, None, None, None, None, None, None, done_counts,
+                                       *option_tensors)
         self.convert(dq_acc, dq, cu_seqlens_q[self.n_seqs:] if self.varlen else None, done_counts)
         return kernel
 

@@ -208,7 +208,9 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
         offset = gl.expand_dims(rows + diag - start_n, 1) - gl.expand_dims(offsets, 0)
         s, _ = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP, ALIBI)
         if REL_BIAS:
-            s = relative_bias_log2(s, rows, offsets, start_n, row0, rel_row, rel_distance, BLOCK_N)
+            # The slice's 64 rows from row0 against keys start_n + offsets.
+            s = relative_bias_log2(s, gl.expand_dims(offsets + start_n, 0), gl.expand_dims(rows, 1),
+                                   start_n - (row0 + 63), start_n + (BLOCK_N - 1) - row0, rel_row, rel_distance)
     if MASK:
         # One compare per score: the column's offset in the block (a constant per thread) against
         # the row's last visible key, moved into the block. Comparing absolute key indices with

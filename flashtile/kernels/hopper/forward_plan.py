@@ -74,14 +74,18 @@ def band_sides(causal: bool, window_left: int, window_right: int):
 
 
 def option_arguments(softmax_scale, local: bool, window_left: int, window_right: int, softcap: float,
-                     alibi_slopes) -> dict:
+                     alibi_slopes, rel_bias_table=None) -> dict:
     """The score-option arguments the Hopper forward and the two-warpgroup backward take alike
-    (window sides as band_sides gives them; softcap 0 and no slopes for none)."""
+    (window sides as band_sides gives them; softcap 0 and no slopes or table for none)."""
     assert alibi_slopes is None or (alibi_slopes.dtype == torch.float32 and alibi_slopes.stride(-1) == 1)
+    assert rel_bias_table is None or (rel_bias_table.dtype == torch.float32 and rel_bias_table.is_contiguous()
+                                      and rel_bias_table.dim() == 2 and rel_bias_table.shape[1] % 2 == 1)
     return dict(LOCAL=local, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, window_left=window_left,
                 window_right=window_right, softcap_scale=softmax_scale / softcap if softcap > 0 else 0.0,
                 softcap_log2=softcap * LOG2E if softcap > 0 else 0.0, alibi_slopes=alibi_slopes,
-                stride_alibi_b=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0)
+                stride_alibi_b=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+                rel_bias_table=rel_bias_table,
+                rel_bias_distance=0 if rel_bias_table is None else rel_bias_table.shape[1] // 2)
 
 
 def register_cap(cfg: GluonFwdConfig) -> dict:
@@ -122,8 +126,7 @@ class ForwardPlan:
         # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
         assert not cfg.own_key_range or not (cfg.pingpong or cfg.trim_diagonal)
         assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
-        assert rel_bias_table is None or (rel_bias_table.dtype == torch.float32 and rel_bias_table.is_contiguous()
-                                          and rel_bias_table.shape[0] == nheads and rel_bias_table.shape[1] % 2)
+        assert rel_bias_table is None or rel_bias_table.shape[0] == nheads
         varlen = cu_seqlens_q is not None
         if varlen:
             assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
@@ -181,10 +184,9 @@ class ForwardPlan:
                  TRIM_DIAGONAL=bool(cfg.trim_diagonal and causal and block_d == 64 and head_dim_v == head_dim
                                     and cfg.block_n == 128),
                  OWN_KEY_RANGE=bool(cfg.own_key_range and causal),
-                 **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes),
+                 **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes,
+                                    rel_bias_table),
                  **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
-                 rel_bias_table=rel_bias_table,
-                 rel_bias_distance=0 if rel_bias_table is None else rel_bias_table.shape[1] // 2,
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table"))

@@ -37,7 +37,7 @@ class GluonForward:
 
 def _rel_bias_table(params: ScoreParams):
     """The relative-position bias table of a call whose only mod is mods.relative_bias (the one mod the
-    Hopper forward takes: dispatch.hopper_takes), else None."""
+    Hopper kernels take: dispatch.hopper_takes), else None."""
     return None if params.mods is None else params.mods.relative_bias_table
 
 
@@ -79,7 +79,7 @@ class GluonBackward:
                                     params.causal, cfg, max_seqlen_k=grid_lengths(q, k, seqs)[2],
                                     softcap=params.softcap, window_left=params.window_left,
                                     window_right=params.window_right, alibi_slopes=params.alibi_slopes,
-                                    **gluon_seq_tensors(seqs))
+                                    rel_bias_table=_rel_bias_table(params), **gluon_seq_tensors(seqs))
         done_counts = done_counts_buffer(q, k, "meta") if self.kernels.needs_counts else None
         self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
                                           zero=dq_acc, zero_counts=done_counts)
@@ -105,7 +105,8 @@ class GluonBackward:
         self.preprocess(out, dout, lse, delta, lse_log2, dq_acc, done_counts, *preprocess_seq_tensors(seqs),
                         params.learnable_sink, sink_parts)
         self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts,
-                            alibi_slopes=params.alibi_slopes, **gluon_seq_tensors(seqs))
+                            alibi_slopes=params.alibi_slopes, rel_bias_table=_rel_bias_table(params),
+                            **gluon_seq_tensors(seqs))
         if sink_parts is not None:
             SinkGrad.finish(sink_parts, dsink)
 

@@ -70,19 +70,18 @@ def relative_bias_row(table, head, max_distance, REL_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def relative_bias_log2(s, rows, cols, start_n, row0, table_row, max_distance, BLOCK_N: gl.constexpr):
-    """s (scores in log2 units) + T[clamp(kv - q, -D, D) + D] * log2(e), for the 64 query positions
-    ``rows`` (from row0) and the keys start_n + cols: T the head's table row, D max_distance.
-    The table is constant beyond D on either side, so a key block farther than D from every row
-    adds one entry of T; only the blocks within D of the diagonal gather (from L1: T is a few KB)."""
-    nearest = start_n - (row0 + 63)  # the block's smallest kv - q
-    farthest = start_n + (BLOCK_N - 1) - row0  # and its largest
+def relative_bias_log2(s, key_positions, query_positions, nearest, farthest, table_row, max_distance):
+    """s (scores in log2 units) + T[clamp(kv - q, -D, D) + D] * log2(e): T the head's row of the table,
+    D max_distance, kv - q = key_positions - query_positions (an axis each, broadcast against s),
+    between nearest and farthest over the tile. The table is constant beyond D on either side, so a
+    tile farther than D from every one of its rows adds one entry of T; only the tiles within D of
+    the diagonal gather (from L1: T is a few KB)."""
     if farthest <= -max_distance:
         s = s + gl.load(table_row) * LOG2E
     elif nearest >= max_distance:
         s = s + gl.load(table_row + 2 * max_distance) * LOG2E
     else:
-        distance = gl.expand_dims(cols + start_n, 0) - gl.expand_dims(rows, 1)
+        distance = key_positions - query_positions
         index = gl.minimum(gl.maximum(distance, -max_distance), max_distance) + max_distance
         s = s + gl.load(table_row + index) * LOG2E
     return s
