@@ -69,7 +69,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import VERSION, barrier, reinterpret, tma_load, tma_reduce_add, tma_store
 from .block_info import query_block_range
-from .scores import alibi_slope_log2, modded_scores_log2, relative_bias_log2, relative_bias_row
+from .scores import (LOG2E, alibi_slope_log2, modded_scores_log2, relative_bias_far_entry, relative_bias_log2,
+                     relative_bias_row)
 from .seqlen_info import backward_sequence
 
 # wgmma's M per warpgroup: each consumer warpgroup owns this many keys.
@@ -373,6 +374,27 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, q_row, head, CONSUMER: gl.co
 
 
 @gluon.jit
+def _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, BLOCK_M: gl.constexpr,
+                          MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
+                          ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, col_layout: gl.constexpr):
+    """(P^T, t) of a block of raw S^T (keys along rows) with the score options (scores.py; t: softcap's
+    tanh, for its derivative), masked when MASK."""
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance = score
+    KEYS: gl.constexpr = s.shape[0]
+    # query + diag - key, for ALiBi's distance.
+    offset = gl.expand_dims(start_m + diag + gl.arange(0, BLOCK_M, layout=col_layout), 0) - gl.expand_dims(keys, 1)
+    s, t = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP, ALIBI)
+    if REL_BIAS:
+        queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        entry = relative_bias_far_entry(key0 - (start_m + BLOCK_M - 1), key0 + (KEYS - 1) - start_m, rel_distance)
+        s = relative_bias_log2(s, gl.expand_dims(keys, 1), gl.expand_dims(queries, 0), entry, rel_row, rel_distance)
+    s = s - gl.expand_dims(lse, 0)
+    if MASK:
+        s = _mask_keys(s, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout, LOCAL, window_left, window_right)
+    return gl.exp2(s), t
+
+
+@gluon.jit
 def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_batch, q_start, key0, q_smem, do_smem,
                   lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free,
                   dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
@@ -400,6 +422,8 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse_to_score = 1.0 / qk_scale_log2
     MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS
+    # The relative bias alone, on unmasked blocks: those beyond its distance take one table entry.
+    FAR_BIAS_FOLDS: gl.constexpr = REL_BIAS and not (SOFTCAP or ALIBI or MASK)
     if LOCAL or MODDED:
         slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance = score
     else:
@@ -432,6 +456,14 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
             delta = _past_used_rows(delta, start_m, seqlen_q, 0.0, BLOCK_M, col_layout)
         if MODDED:
             s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout)
+            if FAR_BIAS_FOLDS:
+                # A block beyond the table's distance from every query adds one entry to all its
+                # scores: it joins -lse in S^T's start, and P^T comes out as plain attention's.
+                entry = relative_bias_far_entry(key0 - (start_m + BLOCK_M - 1), key0 + (_KPC - 1) - start_m,
+                                                rel_distance)
+                if entry >= 0:
+                    bias = gl.load(rel_row + entry) * LOG2E
+                    s_init = s_init - gl.expand_dims((lse - bias) * lse_to_score, 0)
         else:
             s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
             if MASK:
@@ -445,22 +477,15 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
 
         # P^T while dP^T is still in flight.
         s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_cur, q_buf])
-        if MODDED:
-            # query + diag - key, for ALiBi's distance.
-            offset = (gl.expand_dims(start_m + diag + gl.arange(0, BLOCK_M, layout=col_layout), 0)
-                      - gl.expand_dims(keys, 1))
-            s, t = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP,
-                                      ALIBI)
-            if REL_BIAS:
-                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                s = relative_bias_log2(s, gl.expand_dims(keys, 1), gl.expand_dims(queries, 0),
-                                       key0 - (start_m + BLOCK_M - 1), key0 + (_KPC - 1) - start_m, rel_row,
-                                       rel_distance)
-            s = s - gl.expand_dims(lse, 0)
-            if MASK:
-                s = _mask_keys(s, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout, LOCAL, window_left,
-                               window_right)
-            p = gl.exp2(s)
+        if FAR_BIAS_FOLDS:
+            if entry >= 0:
+                p = gl.exp2(s * qk_scale_log2)
+            else:
+                p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, BLOCK_M,
+                                             MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, col_layout)
+        elif MODDED:
+            p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, BLOCK_M,
+                                         MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, col_layout)
         else:
             p = gl.exp2(s * qk_scale_log2)
         # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in

@@ -46,7 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import reinterpret, tma_load, tma_store
 from .block_info import key_blocks
-from .scores import LN2, alibi_slope_log2, modded_scores_log2, relative_bias_log2, relative_bias_row
+from .scores import (LN2, LOG2E, alibi_slope_log2, modded_scores_log2, relative_bias_far_entry, relative_bias_log2,
+                     relative_bias_row)
 from .seqlen_info import forward_tile
 from .sink import fold_sink, load_sink_log2
 
@@ -192,7 +193,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 @gluon.jit
 def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, score,
                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, s_layout: gl.constexpr,
+                   ROW_SUM_MMA: gl.constexpr):
     """Online-softmax update for one score block (keys from start_n). Returns (p, alpha, m_new,
     l_new); m is in scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2. ROW_SUM_MMA: l
     is the tensor cores' (see _consume) and comes back as it came. MASK: keys past the ragged end
@@ -203,18 +205,64 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
     slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0 = score
     offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS
-    if MODDED:
-        # The options' scores are in log2 units already: the max and exp2 below take them as they are.
-        offset = gl.expand_dims(rows + diag - start_n, 1) - gl.expand_dims(offsets, 0)
-        s, _ = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP, ALIBI)
-        if REL_BIAS:
-            # The slice's 64 rows from row0 against keys start_n + offsets.
-            s = relative_bias_log2(s, gl.expand_dims(offsets + start_n, 0), gl.expand_dims(rows, 1),
-                                   start_n - (row0 + 63), start_n + (BLOCK_N - 1) - row0, rel_row, rel_distance)
+    if REL_BIAS and not ALIBI and not MASK:
+        # A block beyond the table's distance from every row adds one entry to all its scores: the
+        # entry joins the row max instead (as the scale does), and the scores stay raw.
+        entry = relative_bias_far_entry(start_n - (row0 + 63), start_n + (BLOCK_N - 1) - row0, rel_distance)
+        if entry >= 0:
+            row_term = gl.full(rows.shape, 0.0, gl.float32, rows.type.layout) + gl.load(rel_row + entry) * LOG2E
+            if SOFTCAP:
+                s, _ = modded_scores_log2(s, 0, qk_scale_log2, softcap_scale, softcap_log2, 0.0, True, False)
+                p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, 1.0, row_term,
+                                                         window_left, window_right, BLOCK_N, MASK, CAUSAL, LOCAL,
+                                                         s_layout, ROW_SUM_MMA)
+            else:
+                p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2,
+                                                         row_term, window_left, window_right, BLOCK_N, MASK, CAUSAL,
+                                                         LOCAL, s_layout, ROW_SUM_MMA)
+        else:
+            s = _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, offsets, SOFTCAP, ALIBI, REL_BIAS)
+            p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, 1.0, None,
+                                                     window_left, window_right, BLOCK_N, MASK, CAUSAL, LOCAL,
+                                                     s_layout, ROW_SUM_MMA)
+    elif MODDED:
+        s = _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, offsets, SOFTCAP, ALIBI, REL_BIAS)
+        p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, 1.0, None, window_left,
+                                                 window_right, BLOCK_N, MASK, CAUSAL, LOCAL, s_layout, ROW_SUM_MMA)
+    else:
+        p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, None,
+                                                 window_left, window_right, BLOCK_N, MASK, CAUSAL, LOCAL, s_layout,
+                                                 ROW_SUM_MMA)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, offsets, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                   REL_BIAS: gl.constexpr):
+    """Raw dot products -> the options' scores in log2 units, element by element (scores.py)."""
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0 = score
+    offset = gl.expand_dims(rows + diag - start_n, 1) - gl.expand_dims(offsets, 0)
+    s, _ = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP, ALIBI)
+    if REL_BIAS:
+        # The slice's 64 rows from row0 against keys start_n + offsets.
+        BLOCK_N: gl.constexpr = offsets.shape[0]
+        entry = relative_bias_far_entry(start_n - (row0 + 63), start_n + (BLOCK_N - 1) - row0, rel_distance)
+        s = relative_bias_log2(s, gl.expand_dims(offsets + start_n, 0), gl.expand_dims(rows, 1), entry, rel_row,
+                               rel_distance)
+    return s
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, scale, row_term, window_left, window_right,
+                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                    s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+    """The softmax step of _softmax_block on scores s * scale + row_term (log2 units; scale > 0, a
+    constant 1.0 for scores already scaled; row_term: None, or a value per row)."""
     if MASK:
         # One compare per score: the column's offset in the block (a constant per thread) against
         # the row's last visible key, moved into the block. Comparing absolute key indices with
         # the end and the diagonal separately cost the d64 loop 137 more instructions per block.
+        offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         last_key = gl.full(rows.shape, 0, gl.int32, rows.type.layout) + (seqlen_k - 1)
         if CAUSAL:
             last_key = gl.minimum(last_key, rows + diag)
@@ -224,21 +272,21 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
         if LOCAL:
             keep = keep & (gl.expand_dims(offsets, 0) >= gl.expand_dims(rows + diag - window_left - start_n, 1))
         s = gl.where(keep, s, float("-inf"))
-    if MODDED:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # max(s) * scale is the max of the scaled scores because the scale is positive (the host sends
+    # other scales to the portable kernels).
+    if row_term is None:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale)
     else:
-        # max(s) * scale is the max of the scaled scores because the scale is positive (the host
-        # sends other scales to the portable kernels).
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale + row_term)
     if MASK:
         # A row with every key masked so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    if MODDED:
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    if row_term is None:
+        p = gl.exp2(s * scale - gl.expand_dims(m_use, 1))
     else:
-        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
+        p = gl.exp2(s * scale - gl.expand_dims(m_use - row_term, 1))
     alpha = gl.exp2(m_i - m_use)
     if ROW_SUM_MMA:
         l_new = l_i

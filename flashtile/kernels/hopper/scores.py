@@ -70,16 +70,22 @@ def relative_bias_row(table, head, max_distance, REL_BIAS: gl.constexpr):
 
 
 @gluon.jit
-def relative_bias_log2(s, key_positions, query_positions, nearest, farthest, table_row, max_distance):
+def relative_bias_far_entry(nearest, farthest, max_distance):
+    """The table entry every score of a tile takes when the tile lies farther than D = max_distance
+    from every one of its rows (the table is constant beyond D on either side): 0 on the left, 2 * D on
+    the right; -1 when the tile needs more than one entry. nearest, farthest: the least and the
+    greatest key - query over the tile."""
+    return gl.where(farthest <= -max_distance, 0, gl.where(nearest >= max_distance, 2 * max_distance, -1))
+
+
+@gluon.jit
+def relative_bias_log2(s, key_positions, query_positions, entry, table_row, max_distance):
     """s (scores in log2 units) + T[clamp(kv - q, -D, D) + D] * log2(e): T the head's row of the table,
-    D max_distance, kv - q = key_positions - query_positions (an axis each, broadcast against s),
-    between nearest and farthest over the tile. The table is constant beyond D on either side, so a
-    tile farther than D from every one of its rows adds one entry of T; only the tiles within D of
-    the diagonal gather (from L1: T is a few KB)."""
-    if farthest <= -max_distance:
-        s = s + gl.load(table_row) * LOG2E
-    elif nearest >= max_distance:
-        s = s + gl.load(table_row + 2 * max_distance) * LOG2E
+    D max_distance, kv - q = key_positions - query_positions (an axis each, broadcast against s).
+    entry: relative_bias_far_entry's for the tile: one entry of T for all its scores, or (-1) a gather
+    per score (from L1: T is a few KB)."""
+    if entry >= 0:
+        s = s + gl.load(table_row + entry) * LOG2E
     else:
         distance = key_positions - query_positions
         index = gl.minimum(gl.maximum(distance, -max_distance), max_distance) + max_distance
