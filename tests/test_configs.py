@@ -38,7 +38,8 @@ if ON_SM90:
 
 @pytest.mark.parametrize("kernel", [FWD, BWD_DKDV, BWD_DQ])
 @pytest.mark.parametrize("config", ASYMMETRIC, ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}")
-@pytest.mark.parametrize("causal", [False, True])
+# On the CPU causal alone: with the window's left edge it still puts both sides of the band inside tiles.
+@pytest.mark.parametrize("causal", [False, True] if ON_GPU else [True])
 def test_config_computes_the_same_function(kernel, config, causal):
     head_dim = 128 if ON_GPU else 32
     # On the CPU, lengths that still give every config several tiles each way, a partial last one and a

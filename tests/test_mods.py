@@ -264,9 +264,12 @@ def test_relative_bias_in_the_hopper_forward(seqlens, head_dim, max_distance, op
 
 def test_relative_bias_in_the_hopper_forward_packed():
     dtype = DTYPES[-1] if ON_GPU else DTYPES[0]
-    q, k, v, cu_q, cu_k = make_packed_qkv([300, 1, 470, 0], [400, 9, 600, 5], 4, 2, 64, dtype)
-    table = randn(4, 2 * 64 + 1, dtype=torch.float32)
-    layout = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=470, max_seqlen_k=600)
+    # On the CPU (the portable kernels; the routing is test_relative_bias_in_the_hopper_forward's) shorter.
+    lengths_q, lengths_k, distance = ([300, 1, 470, 0], [400, 9, 600, 5], 64) if ON_GPU else ([30, 1, 47, 0],
+                                                                                              [40, 9, 60, 5], 8)
+    q, k, v, cu_q, cu_k = make_packed_qkv(lengths_q, lengths_k, 4, 2, 64, dtype)
+    table = randn(4, 2 * distance + 1, dtype=torch.float32)
+    layout = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
     check_mods(functools.partial(flashtile.flash_attn_varlen_func, **layout), q, k, v,
                dict(causal=True, score_mod=flashtile.mods.relative_bias(table)),
                dict(causal=True, score_mod=relative_bias_twin(table)),
