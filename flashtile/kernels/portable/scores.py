@@ -139,8 +139,8 @@ def band_block_range(start, n_rows, n_cols, diag, window_left, window_right,
     # compiler can see are multiples of BLOCK_COLS keep the column positions aligned, so that loads
     # along them vectorize (a mod's, the attn_bias gradient's atomics). A causal edge, last_row + diag
     # + 1, is not such a multiple: with hi here, the causal attn_bias forward's bias loads went scalar
-    # and unpipelined (2.3x slower). The tile at hi's block start, if partial, goes to the masked
-    # loop after the middle.
+    # and left the software pipeline (docs/experiments.md). The tile at hi's block start, if partial,
+    # goes to the masked loop after the middle.
     hi_block = (hi // BLOCK_COLS) * BLOCK_COLS
     full_lo = tl.minimum(full_lo, hi_block)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_block)
