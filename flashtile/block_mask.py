@@ -123,7 +123,14 @@ def create_block_mask(mask_mod, batch: Optional[int], nheads: Optional[int], seq
 
     aux_tensors: the tensors the mask reads (a MaskMod brings its own). device: where the mask lives
     (default: the aux tensors' device, else the current CUDA device, else the CPU). block_size: an
-    int or (query rows, keys), powers of two from 16 to 128 (the kernels' tiles divide them)."""
+    int or (query rows, keys), powers of two from 16 to 128 (the kernels' tiles divide them).
+
+    Not inside a function that torch.compile traces: the mask runs on the device once, here; build it
+    outside and pass it in (compiled calls take it as a constant, guarded by its identity)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("create_block_mask runs the mask_mod over every block once, eagerly: call it outside "
+                           "the function torch.compile traces and pass the BlockMask in (it is reusable across "
+                           "calls and layers of the same sizes)")
     native = None
     if isinstance(mask_mod, MaskMod):
         if aux_tensors is not None:

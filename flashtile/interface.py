@@ -13,18 +13,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import call_plans, checks, ops, sinks
+from . import call_plans, checks, mod_ops, ops, sinks
 from .mods import call_mods
 from .mods import given as mods_given
 from .mods import native_documents
 from .options import Mods, resolve_options
 from .varlen import flash_attn_varlen_func
-
-# Calls with score / mask mods run eagerly: the custom ops' schemas cannot carry functions, so under
-# torch.compile they are a graph break (an error with fullgraph=True), not a silent change.
-_dense_attention_eager = torch.compiler.disable(ops.dense_attention)
-_dense_attention_with_bias_eager = torch.compiler.disable(ops.dense_attention_with_bias)
-
 
 def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
            return_attn_probs, call_key=None, learnable_sink=None, mods: Optional[Mods] = None):
@@ -41,19 +35,18 @@ def _dense(q, k, v, q_view, dropout_p, softmax_scale, causal, window_size, softc
     alibi_slopes, dropout_seed, floats, window_left, window_right = params.op_args()
     tensors = (alibi_slopes, dropout_seed)
     ints = [window_left, window_right, int(bool(deterministic))]
-    attn_bias = None if mods is None or mods.attn_bias is None else mods.attn_bias.tensor
-    if attn_bias is not None:
-        out, lse = _dense_attention_with_bias_eager(q, k, v, attn_bias, *tensors, learnable_sink, floats, ints, mods)
-    elif mods is not None:
-        out, lse = _dense_attention_eager(q, k, v, *tensors, learnable_sink, floats, ints, mods)
+    if mods is not None:
+        out, lse = mod_ops.attention(q, k, v, [], *tensors, learnable_sink, floats, ints, mods)
     else:
         out, lse = ops.dense_attention(q, k, v, *tensors, learnable_sink, floats, ints)
     if not return_attn_probs:
         return out
-    return out, lse, ops.attention_probabilities(q, k, v, lse, None, None, None, None, None, tensors, floats,
-                                                 ints, mods)
+    if mods is not None:
+        return out, lse, mod_ops.attention_probabilities(q, k, v, lse, [], tensors, floats, ints, mods)
+    return out, lse, ops.attention_probabilities(q, k, v, lse, None, None, None, None, None, tensors, floats, ints)
 
 
+@mod_ops.compiles_as_op
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
@@ -85,13 +78,13 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask: programmable attention
             (flashtile.mods: @triton.jit functions that change the scores and the mask, the tensors
             they read, a block mask from flashtile.create_block_mask). They run on the portable
-            kernels, eagerly (a graph break under torch.compile); built-ins that are flash_attn
+            kernels (under torch.compile as one op: mod_ops.py); built-ins that are flash_attn
             options run as those, a document mask as packed sequences (docs/programmable.md).
             (flashtile's extension.)
         attn_bias: optional floating-point tensor broadcastable to (batch, nheads, seqlen_q, seqlen_k),
             added to the scores after softmax_scale, softcap and ALiBi; its gradient is returned (in
             its shape, summed over the broadcast dimensions) when it requires grad. O(seqlen^2) memory;
-            not with score_mod. Portable kernels, eagerly, as the mods. (flashtile's extension.)
+            not with score_mod. Portable kernels, as the mods. (flashtile's extension.)
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with return_attn_probs.
     """
@@ -128,6 +121,7 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
                   return_attn_probs, key, learnable_sink, mods)
 
 
+@mod_ops.compiles_as_op
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
@@ -155,6 +149,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Option
                   deterministic, return_attn_probs, learnable_sink=learnable_sink, mods=mods)
 
 
+@mod_ops.compiles_as_op
 def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,

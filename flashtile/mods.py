@@ -86,14 +86,18 @@ class DocumentRuns:
     """A document mask's ids as packed sequences: where every document is one run of positions, the
     mask is attention within each run, which flash_attn_varlen_func computes on the batch's rows laid
     end to end (on the Hopper kernels where those serve it). The runs are found once per batch size
-    (a host sync) and kept while the ids are not changed in place."""
+    (a host sync) and kept while the ids are not changed in place. Under torch.compile there is no
+    host sync to find them: the mask runs as a mask_mod (with a block mask where the call gives one)."""
 
     def __init__(self, ids: torch.Tensor):
-        self.ids, self.version, self.layouts = ids, ids._version, {}
+        self.ids, self.version, self.layouts = ids, None, {}
 
     def sequences(self, batch: int) -> Optional[tuple]:
         """(cu_seqlens int32 (batch * runs + 1,), longest run) of ``batch`` rows of these documents, or
-        None when a document has positions in two runs (the mask is then no set of sequences)."""
+        None when a document has positions in two runs (the mask is then no set of sequences), or
+        while torch.compile traces."""
+        if torch.compiler.is_compiling():
+            return None
         if self.ids._version != self.version:
             self.version, self.layouts = self.ids._version, {}
         if batch not in self.layouts:

@@ -15,7 +15,8 @@ bodies and formula in a plain torch.autograd.Function, which skips the custom-op
 flash_attn_with_kvcache reaches kvcache_fwd the same way (kvcache_attention_call). A learnable sink
 (sinks.py) is an input of the ops like the ALiBi slopes: the forward kernels take it in, and the
 backward ops return its gradient after q, k, v's. An attn_bias wraps fwd / varlen_fwd and their
-backward ops in one more autograd.Function (dense_attention_with_extras, varlen_attention_with_extras).
+backward ops in one more autograd.Function (dense_attention_with_bias, varlen_attention_with_bias). Calls
+with mods reach these bodies through mod_ops.py, whose own ops carry the mods under torch.compile.
 The ops take what the kernels take: options already checked and folded by the public functions
 (softmax_scale resolved, causal folded into window_right = 0), and dropout's seed as an int64
 tensor drawn outside the op, so an op is a function of its inputs and the backward regenerates the
@@ -182,7 +183,8 @@ def dense_attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], alibi_s
                     ints: List[int], mods: Optional[Mods] = None) -> Tuple[Tensor, Tensor]:
     """The fwd op, differentiable (in the sink too): torch.ops.flashtile.fwd while torch.compile
     traces (one opaque node, AOT autograd sees its backward op), the same bodies through _EagerDense
-    otherwise. ``mods`` (score / mask mods): eager only, the bodies take them (the ops' schemas cannot)."""
+    otherwise. ``mods`` (score / mask mods): eager calls only, the bodies take them (under torch.compile,
+    mod_ops.py's ops take them apart)."""
     args = (q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints)
     if mods is not None:
         return _EagerDense.apply(*args, mods)
@@ -365,7 +367,7 @@ _VARLEN_BIASED = _BiasedOp(_varlen_fwd_body, _varlen_biased_backward, 10)
 class _BiasAttention(torch.autograd.Function):
     """An op's bodies with an attn_bias (the score mod of the op's mods), whose gradient the op's own
     backward does not give: the bias tensor comes after the op's inputs (mods last among them), for
-    autograd. Eager only (mods cannot pass through the ops' schemas).
+    autograd. Eager calls only (under torch.compile, mod_ops.mods_fwd gives the bias's gradient).
 
     Forward: the op's. Backward: the op's own, its dQ kernel adding up the bias's gradient
     (AttnBias.backward_mods), and the learnable sink's gradient from the op's list. Returns (out, lse)."""
@@ -402,7 +404,7 @@ def dense_attention_with_bias(q: Tensor, k: Optional[Tensor], v: Optional[Tensor
                               learnable_sink: Optional[Tensor], floats: List[float], ints: List[int],
                               mods: Mods) -> Tuple[Tensor, Tensor]:
     """dense_attention with an attn_bias (``mods.attn_bias`` resolved from it), differentiable in q, k, v,
-    the sink and the bias. Eager only."""
+    the sink and the bias. Eager calls only (mod_ops.attention)."""
     return _BiasAttention.apply(_DENSE_BIASED, q, k, v, alibi_slopes, dropout_seed, learnable_sink, floats, ints,
                                 mods, attn_bias)
 

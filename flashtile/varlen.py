@@ -9,15 +9,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import call_plans, checks, ops, sinks
+from . import call_plans, checks, mod_ops, ops, sinks
 from .mods import call_mods
 from .mods import given as mods_given
 from .options import Mods, resolve_options
-
-# As interface.py's: calls with mods run eagerly (a graph break under torch.compile).
-_varlen_attention_eager = torch.compiler.disable(ops.varlen_attention)
-_varlen_attention_with_bias_eager = torch.compiler.disable(ops.varlen_attention_with_bias)
-
 
 def _check_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                   block_table=None) -> None:
@@ -64,17 +59,15 @@ def _varlen(q, k, v, q_view, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     tensors = (alibi_slopes, dropout_seed)
     ints = [int(max_seqlen_q), int(max_seqlen_k), window_left, window_right, int(bool(deterministic))]
     layout = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)
-    attn_bias = None if mods is None or mods.attn_bias is None else mods.attn_bias.tensor
-    if attn_bias is not None:
-        out, lse = _varlen_attention_with_bias_eager(q, k, v, attn_bias, *layout, *tensors, learnable_sink, floats,
-                                                     ints, mods)
-    elif mods is not None:
-        out, lse = _varlen_attention_eager(q, k, v, *layout, *tensors, learnable_sink, floats, ints, mods)
+    if mods is not None:
+        out, lse = mod_ops.attention(q, k, v, list(layout), *tensors, learnable_sink, floats, ints, mods)
     else:
         out, lse = ops.varlen_attention(q, k, v, *layout, *tensors, learnable_sink, floats, ints)
     if not return_attn_probs:
         return out
-    return out, lse, ops.attention_probabilities(q, k, v, lse, *layout, tensors, floats, ints, mods)
+    if mods is not None:
+        return out, lse, mod_ops.attention_probabilities(q, k, v, lse, list(layout), tensors, floats, ints, mods)
+    return out, lse, ops.attention_probabilities(q, k, v, lse, *layout, tensors, floats, ints)
 
 
 def _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned: bool, *mod_args_and_options,
@@ -85,6 +78,7 @@ def _call_mods(q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, aligned: bool, *mod_
                      int(max_seqlen_k), aligned, q.device, **options)
 
 
+@mod_ops.compiles_as_op
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -148,6 +142,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    return_attn_probs, key, learnable_sink, mods)
 
 
+@mod_ops.compiles_as_op
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: float = 0.0,
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
@@ -176,6 +171,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p: flo
                    learnable_sink=learnable_sink, mods=mods)
 
 
+@mod_ops.compiles_as_op
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),

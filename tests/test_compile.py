@@ -13,9 +13,13 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
+import triton
+import triton.language as tl
 
 import flashtile.ops  # noqa: F401  (registers torch.ops.flashtile)
-from flashtile import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flashtile import (create_block_mask, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                       flash_attn_with_kvcache, mod_ops, mods)
+from flashtile.mods import resolve_mods
 
 from _cases import DEVICE, DTYPES, INDUCTOR_MISMATCH, ON_GPU, make_qkv, randn
 
@@ -357,3 +361,223 @@ def test_compile_flash_attn_with_kvcache(dtype, paged):
         torch.testing.assert_close(lse, ref_lse, **_tol(torch.float32))
         with torch._dynamo.config.patch(error_on_recompile=True):
             compiled(q, k_cache, v_cache, k, v, seqlens.flip(0))  # new values, same shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Programmable attention under torch.compile (flashtile/mod_ops.py): the mods ops
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def scaled_by_head(score, b, h, q_idx, kv_idx, aux):
+    """score * w[h]: reads an aux tensor, so new values of it must reach a compiled call."""
+    return score * tl.load(aux[0] + h)
+
+
+@triton.jit
+def scaled_by_head_bwd(grad, score, b, h, q_idx, kv_idx, aux):
+    return grad * tl.load(aux[0] + h)
+
+
+@triton.jit
+def every_third_off(b, h, q_idx, kv_idx, aux):
+    return ((q_idx + 2 * kv_idx + h) % 3) != 0
+
+
+@triton.jit
+def even_keys_off(b, h, q_idx, kv_idx, aux):
+    return (kv_idx % 2) == 1
+
+
+def _compare(compiled_fn, eager_fn, args, grad_of, dtype, calls=2):
+    """``calls`` compiled calls with fresh values in the same shapes (the first compiles, the others
+    must not), each equal to the eager call, forward and the gradients of ``grad_of(args)``."""
+    compiled = _compiled(compiled_fn)
+    for call in range(calls):
+        if call:
+            args = [torch.randn_like(a).requires_grad_(a.requires_grad) if a.is_floating_point() else a
+                    for a in args]
+        with torch._dynamo.config.patch(error_on_recompile=call > 0):
+            out = compiled(*args)
+        ref = eager_fn(*args)
+        dout = torch.randn_like(ref)
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+        inputs = grad_of(args)
+        for g, r in zip(_grads(out, inputs, dout), _grads(ref, inputs, dout)):
+            torch.testing.assert_close(g, r, **_tol(g.dtype))
+
+
+def test_opcheck_mods():
+    """The mods ops with a registered spec: a score mod reading an aux tensor and a mask mod."""
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN - 3, 2, 1, HEAD_DIM, torch.float32)
+    weights = torch.rand(2, device=DEVICE) + 0.5
+    mods = resolve_mods(scaled_by_head, scaled_by_head_bwd, every_third_off, [weights], None, 2, 2, SEQLEN,
+                        SEQLEN - 3, q.device)
+    key, tensors, ints = mod_ops.split(mods)
+    args = (q, k, v, [], *PLAIN, CAUSAL, tensors, ints, key)
+    torch.library.opcheck(OPS.mods_fwd.default, args)
+    with torch.no_grad():
+        out, lse = OPS.mods_fwd(*args)
+    torch.library.opcheck(OPS.mods_bwd.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                                                 [], *PLAIN, CAUSAL, tensors, ints, key, False))
+    torch.library.opcheck(OPS.mods_attn_probs.default, (q.detach(), k.detach(), v.detach(), lse, [], *PLAIN[:2],
+                                                        PLAIN[3], CAUSAL, tensors, ints, key))
+
+
+# The public functions' calls with mods compile as one op from torch 2.13 on (mod_ops.TRACEABLE).
+needs_traceable_mods = pytest.mark.skipif(not mod_ops.TRACEABLE, reason=f"torch {torch.__version__}'s dynamo cannot "
+                                          "look at @triton.jit functions passed as values (mod_ops.py)")
+
+
+def test_compile_mods_ops():
+    """The mods ops compiled directly, the key made eagerly (any torch): a mask mod and an attn_bias with
+    its gradient, equal to the public eager call."""
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN - 2, 2, 2, HEAD_DIM, dtype)
+    bias = randn(2, 1, SEQLEN - 2, dtype=torch.float32, requires_grad=True)
+    key, tensors, ints = mod_ops.split(resolve_mods(None, None, every_third_off, None, None, 2, 2, SEQLEN, SEQLEN - 2,
+                                                    q.device, attn_bias=bias))
+
+    def attend(q, k, v, tensors):
+        return OPS.mods_fwd(q, k, v, [], *PLAIN, CAUSAL, tensors, ints, key)[0] * 2
+
+    out = _compiled(attend)(q, k, v, tensors)
+    ref = flash_attn_func(q, k, v, causal=True, deterministic=True, mask_mod=every_third_off, attn_bias=bias) * 2
+    dout = torch.randn_like(out)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    for g, r in zip(_grads(out, (q, k, v, bias), dout), _grads(ref, (q, k, v, bias), dout)):
+        torch.testing.assert_close(g, r, **_tol(g.dtype))
+
+
+def test_compile_mods_eager_before_torch_2_13(monkeypatch):
+    """Where dynamo cannot trace the mods (torch < 2.13), a call with mods runs eagerly: fullgraph=True
+    raises with the reason, a plain torch.compile equals eager. (Forced here on any torch.)"""
+    from flashtile import interface
+    monkeypatch.setattr(mod_ops, "TRACEABLE", False)
+    gated = mod_ops.compiles_as_op(getattr(interface.flash_attn_func, "__wrapped__", interface.flash_attn_func))
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(1, SEQLEN, SEQLEN, 2, 2, HEAD_DIM, dtype, requires_grad=False)
+
+    def attend(q, k, v):
+        return gated(q, k, v, mask_mod=every_third_off) + 1
+
+    with pytest.raises(Exception, match="torch 2.13"):
+        _compiled(attend)(q, k, v)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(attend, backend=BACKEND)(q, k, v), attend(q, k, v), **_tol(dtype))
+
+
+@needs_traceable_mods
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compile_score_and_mask_mods(dtype):
+    """A score mod reading an aux tensor, its backward and a mask mod, with causal and GQA: new aux values
+    reach the compiled call without a recompile."""
+    def attend(q, k, v, weights):
+        return flash_attn_func(q, k, v, causal=True, score_mod=scaled_by_head, score_mod_bwd=scaled_by_head_bwd,
+                               mask_mod=every_third_off, aux_tensors=[weights]) * 2
+
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN + 5, 2, 1, HEAD_DIM, dtype)
+    weights = torch.rand(2, device=DEVICE) + 0.5
+    _compare(attend, attend, [q, k, v, weights], lambda a: a[:3], dtype)
+
+
+@needs_traceable_mods
+def test_compile_another_mod_recompiles():
+    """The mods' functions are part of the compiled call's guards: another mask_mod compiles again
+    (never the first one's key with the second one's call)."""
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(1, SEQLEN, SEQLEN, 2, 2, HEAD_DIM, dtype, requires_grad=False)
+
+    def attend(q, k, v, mask_mod):
+        return flash_attn_func(q, k, v, mask_mod=mask_mod)
+
+    compiled = _compiled(attend)
+    for mask_mod in (every_third_off, even_keys_off, every_third_off):
+        torch.testing.assert_close(compiled(q, k, v, mask_mod), attend(q, k, v, mask_mod), **_tol(dtype))
+    assert not torch.allclose(attend(q, k, v, every_third_off), attend(q, k, v, even_keys_off))
+
+
+@needs_traceable_mods
+@pytest.mark.parametrize("shape", ["full", "broadcast"])
+def test_compile_attn_bias(shape):
+    """attn_bias and its gradient (in the bias's shape, summed over broadcast dimensions) compiled."""
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN - 2, 2, 2, HEAD_DIM, dtype)
+    bias_shape = (2, 2, SEQLEN, SEQLEN - 2) if shape == "full" else (2, 1, SEQLEN - 2)
+    bias = randn(*bias_shape, dtype=torch.float32, requires_grad=True)
+
+    def attend(q, k, v, bias):
+        return flash_attn_func(q, k, v, attn_bias=bias, causal=shape == "full")
+
+    _compare(attend, attend, [q, k, v, bias], lambda a: a, dtype)
+
+
+@needs_traceable_mods
+def test_compile_block_mask_and_probs():
+    """A block mask built outside the compiled function, and return_attn_probs with a mask mod."""
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN, 2, 2, HEAD_DIM, dtype)
+    block_mask = create_block_mask(every_third_off, None, 2, SEQLEN, SEQLEN, device=DEVICE, block_size=16)
+
+    def attend(q, k, v):
+        return flash_attn_func(q, k, v, block_mask=block_mask) + 1
+
+    _compare(attend, attend, [q, k, v], lambda a: a, dtype)
+
+    def probs(q, k, v):
+        return flash_attn_func(q, k, v, mask_mod=even_keys_off, return_attn_probs=True)
+
+    with torch.no_grad():
+        for got, want in zip(_compiled(probs)(q, k, v), probs(q, k, v)):
+            torch.testing.assert_close(got, want, **_tol(got.dtype))
+
+
+@needs_traceable_mods
+def test_compile_varlen_mods():
+    """Packed sequences with a score mod and a mask mod, and with an attn_bias (per sequence)."""
+    dtype = DTYPES[0]
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs((5, 1, SEQLEN), (7, 3, SEQLEN - 2), dtype)
+    weights = torch.rand(2, device=DEVICE) + 0.5
+    bias = randn(3, 2, max_q, max_k, dtype=torch.float32, requires_grad=True)
+
+    def attend(q, k, v, weights, bias):
+        modded = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, score_mod=scaled_by_head,
+                                        score_mod_bwd=scaled_by_head_bwd, mask_mod=every_third_off,
+                                        aux_tensors=[weights])
+        return modded + flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, attn_bias=bias)
+
+    _compare(attend, attend, [q, k, v, weights, bias], lambda a: [a[0], a[1], a[2], a[4]], dtype)
+
+
+@needs_traceable_mods
+def test_compile_relative_bias_table():
+    """flashtile.mods.relative_bias built inside the compiled function from a tensor: new table values
+    reach the compiled call (the table is an input of the op, not a constant of the graph)."""
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(1, SEQLEN, SEQLEN, 2, 2, HEAD_DIM, dtype)
+    table = torch.randn(2, 9, device=DEVICE)
+
+    def attend(q, k, v, table):
+        return flash_attn_func(q, k, v, causal=True, score_mod=mods.relative_bias(table))
+
+    _compare(attend, attend, [q, k, v, table], lambda a: a[:3], dtype)
+
+
+@needs_traceable_mods
+def test_compile_document_mask():
+    """A document mask compiles as a mask mod (the packed-sequence shortcut needs the ids on the host);
+    create_block_mask inside a compiled function raises and says to build the mask outside."""
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(2, SEQLEN, SEQLEN, 2, 2, HEAD_DIM, dtype)
+    ids = torch.tensor([0] * 5 + [1] * (SEQLEN - 9) + [2] * 4, device=DEVICE)
+    documents = mods.document_mask(ids)
+
+    def attend(q, k, v):
+        return flash_attn_func(q, k, v, mask_mod=documents)
+
+    _compare(attend, attend, [q, k, v], lambda a: a, dtype)
+
+    def builds_mask(q, k, v):
+        return flash_attn_func(q, k, v, block_mask=create_block_mask(documents, None, None, SEQLEN, SEQLEN))
+
+    with pytest.raises(Exception, match="outside"):
+        _compiled(builds_mask)(q, k, v)
