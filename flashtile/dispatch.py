@@ -29,7 +29,7 @@ from .kernels.portable.launch import (PortableBackward, PortableForward, SplitFo
                                       kvcache_update_plan, launch_forward, launch_preprocess, portable_bwd_call,
                                       portable_bwd_tensors, row_stats_buffers)
 from .kernels.portable.launch import attention_probs as portable_attention_probs
-from .options import PackedSeqs, ScoreParams, grid_lengths
+from .options import Mods, PackedSeqs, ScoreParams, grid_lengths
 from .runtime import arch_of, device_capability, empty_allocator, multiprocessor_count, portable_only, validate_enabled
 
 
@@ -641,8 +641,12 @@ class KVCacheStep:
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                  cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale: float, softcap: float,
-                 causal: int, window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
+                 causal: int, window_left: int, window_right: int, rotary_interleaved: int, num_splits: int,
+                 mods: Optional[Mods] = None):
         batch, seqlen_q, nheads, _ = q.shape
+        # Score / mask mods see query heads and query rows: no heads as rows, no packed GQA tiles.
+        # (The Hopper forward's relative-bias table path serves dense and packed calls, not caches.)
+        self.mods = None if mods is None else dataclasses.replace(mods, relative_bias_table=None)
         seqlen_new = 0 if k is None else k.shape[1]
         paged = block_table is not None
         self.capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
@@ -660,7 +664,7 @@ class KVCacheStep:
         # so each program reads that head's keys and values once for all of them. A single query
         # sees every key whether causal or not, so the rows need no mask between them. Rows are
         # strided views of q, out and lse: row g of kv head hk is query head hk * group + g.
-        self.rows_from_heads = seqlen_q == 1 and nheads > nheads_k and options_allow_heads_as_rows(
+        self.rows_from_heads = seqlen_q == 1 and nheads > nheads_k and mods is None and options_allow_heads_as_rows(
             self.params.with_tensors(alibi_slopes).with_sink(learnable_sink))
         if self.rows_from_heads:
             self.params = ScoreParams(softmax_scale=softmax_scale, softcap=softcap)
@@ -669,7 +673,7 @@ class KVCacheStep:
             self.rows, heads = seqlen_q, nheads
         # A few query rows (speculative decoding) with GQA: the group's query heads share each K/V tile.
         q_rows = q.new_empty((batch, self.rows, heads, q.shape[3]), device="meta")
-        self.pack = seqlen_q <= DECODE_MAX_ROWS and decode_kernel(
+        self.pack = seqlen_q <= DECODE_MAX_ROWS and mods is None and decode_kernel(
             q_rows, k_cache, self.params.with_tensors(alibi_slopes),
             PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens))[1]
         tile_rows = self.rows
@@ -699,7 +703,7 @@ class KVCacheStep:
         q, seqlens_k = update(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, block_table)
         if cache_leftpad is not None:
             seqlens_k = seqlens_k - cache_leftpad
-        params = self.params.with_tensors(alibi_slopes).with_sink(learnable_sink)
+        params = self.params.with_tensors(alibi_slopes).with_sink(learnable_sink).with_mods(self.mods)
         out = self.empty((*q.shape[:3], v_cache.shape[-1]), q.dtype, q.device)  # v's head dim
         lse = self.empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
         # The queries keep their (batch, rows) layout; the keys theirs, or the table of pages.
@@ -722,10 +726,11 @@ class KVCacheStep:
 
 def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                       cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale: float, softcap: float,
-                      causal: int, window_left: int, window_right: int, rotary_interleaved: int, num_splits: int):
+                      causal: int, window_left: int, window_right: int, rotary_interleaved: int, num_splits: int,
+                      mods: Optional[Mods] = None):
     """The body of the ``flashtile::kvcache_fwd`` op (flash_attn_with_kvcache's arguments checked,
     options resolved, cache_seqlens a tensor): check the contents (CPU, FLASHTILE_VALIDATE=1), then
-    one :class:`KVCacheStep`. (out, lse)."""
+    one :class:`KVCacheStep`. (out, lse). ``mods``: score / mask mods (mod_ops.kvcache_attention)."""
     if validate_enabled() or q.device.type == "cpu":
         seqlen_new = 0 if k is None else k.shape[1]
         paged = block_table is not None
@@ -740,5 +745,5 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
     args = (q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
             block_table, alibi_slopes, learnable_sink)
     step = KVCacheStep(*args, softmax_scale, softcap, causal, window_left, window_right, rotary_interleaved,
-                       num_splits)
+                       num_splits, mods)
     return step(*args)

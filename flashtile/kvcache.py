@@ -25,7 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import call_plans, checks, dispatch, ops, sinks
+from . import call_plans, checks, dispatch, mod_ops, ops, sinks
+from .mods import call_mods
 from .options import resolve_options
 
 
@@ -77,13 +78,15 @@ def _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
             raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} exceeds the head dim {q.shape[-1]}")
 
 
+@mod_ops.compiles_as_op
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale: Optional[float] = None, causal: bool = False,
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
                             num_splits: int = 0, return_softmax_lse: bool = False,
-                            learnable_sink: Optional[torch.Tensor] = None):
+                            learnable_sink: Optional[torch.Tensor] = None, *, score_mod=None, mask_mod=None,
+                            aux_tensors=None):
     """Attention of new queries against a kv cache, appending new keys and values first.
 
     Arguments:
@@ -107,15 +110,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             by their logsumexp; 0 chooses from the shape and the GPU; 1 turns splitting off.
         return_softmax_lse: also return the logsumexp (batch, nheads, seqlen_q).
         learnable_sink: optional (nheads,) sink logits, as in flash_attn_func.
+        score_mod, mask_mod, aux_tensors: as in flash_attn_func (no backward here: no score_mod_bwd;
+            no block mask or attn_bias). The mods see raw positions: q_idx 0 .. seqlen_q - 1 for the
+            queries, kv_idx 0 .. for the keys (from cache_leftpad on); query i sits at key position
+            i + cache_seqlens[b] + seqlen_new - seqlen_q. (flashtile's extension.)
     The caller's contract (checked on CPU and with FLASHTILE_VALIDATE=1, before anything is
     written): the cache has room for the new tokens, cache_batch_idx and block_table point inside
     the cache, and the rotary tables cover every position rotated.
     Returns:
         out (batch, seqlen_q, nheads, headdim), and softmax_lse with return_softmax_lse.
     """
-    key = call_plans.kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                 rotary_interleaved, alibi_slopes, num_splits, learnable_sink)
+    programmable = not (score_mod is None and mask_mod is None and aux_tensors is None)
+    key = None if programmable else call_plans.kvcache_key(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, learnable_sink)
     if key is not None and call_plans.replay_possible():
         step = call_plans.KVCACHE_STEPS.get(key)
         if step is not None:  # a call of this signature passed every check below
@@ -143,6 +151,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
         raise ValueError("flash_attn_with_kvcache serves inference: call it under torch.no_grad() or pass "
                          "tensors that do not require grad")
+    mods = None
+    if programmable:  # softcap as a built-in becomes the option; mods aligned to raw positions stay mods
+        capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+        mods, softcap, alibi_slopes, causal, window_size = call_mods(
+            score_mod, None, mask_mod, aux_tensors, None, softcap, alibi_slopes, batch, nheads, seqlen_q, capacity,
+            False, q.device, causal=causal, window_size=window_size)
     # The window as two ints, read by the one parser of every entry point (any pair of int-likes). The
     # kernel's ints keep causal apart from the window (causal single-query decoding has its own path).
     window_left, window_right = checks.window_pair(window_size)
@@ -151,7 +165,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens = _seqlens_tensor(cache_seqlens, q)
     ints = [int(bool(causal)), window_left, window_right, int(bool(rotary_interleaved)), num_splits]
     extras = [rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink]
-    if key is not None and call_plans.may_keep(q.device):
+    if mods is not None:
+        out, lse = mod_ops.kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, extras,
+                                             [softmax_scale, softcap], ints, mods)
+    elif key is not None and call_plans.may_keep(q.device):
         step = call_plans.KVCACHE_STEPS.put(key, dispatch.KVCacheStep(q, k_cache, v_cache, k, v, cache_seqlens, *extras,
                                                                       softmax_scale, softcap, *ints))
         out, lse = _run_step(step, q, k_cache, v_cache, k, v, cache_seqlens, *extras)

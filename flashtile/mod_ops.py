@@ -19,6 +19,7 @@ Inside the op, :func:`rebuild` makes the Mods again and the same bodies run as i
     torch.ops.flashtile.mods_fwd / mods_bwd     dense (layout []) or packed (layout = cu_seqlens_q,
                                                 cu_seqlens_k, seqused_q, seqused_k, block_table)
     torch.ops.flashtile.mods_attn_probs         return_attn_probs
+    torch.ops.flashtile.mods_kvcache_fwd        flash_attn_with_kvcache (writes k_cache, v_cache)
 
 A block mask is part of the spec: build it outside the compiled function (once, as it is meant to be
 reused); its tensors then live as long as the registry entry (one per compiled variant).
@@ -38,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.torch_version import TorchVersion
 
-from . import ops
+from . import dispatch, ops
 from .options import AttnBias, Mods
 
 TRACEABLE = TorchVersion(torch.__version__) >= (2, 13)
@@ -257,9 +258,39 @@ def _(q, k, v, lse, layout, alibi_slopes, dropout_seed, floats, ints, mod_tensor
     return q.new_empty((layout[0].shape[0] - 1, q.shape[1], ints[0], ints[1]))
 
 
+@torch.library.custom_op("flashtile::mods_kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def mods_kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                     cache_seqlens: Tensor, extras: List[Optional[Tensor]], floats: List[float], ints: List[int],
+                     mod_tensors: List[Tensor], mod_ints: List[int], mods_key: str) -> Tuple[Tensor, Tensor]:
+    """ops.kvcache_fwd with these mods."""
+    return dispatch.kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints,
+                                      mods=rebuild(mods_key, mod_tensors, mod_ints))
+
+
+@mods_kvcache_fwd.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints, mod_tensors, mod_ints, mods_key):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty((batch, seqlen_q, nheads, v_cache.shape[-1])), q.new_empty((batch, nheads, seqlen_q),
+                                                                                  dtype=torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # What the public functions call
 # ---------------------------------------------------------------------------------------------
+
+def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                      cache_seqlens: Tensor, extras: List[Optional[Tensor]], floats: List[float], ints: List[int],
+                      mods: Mods) -> Tuple[Tensor, Tensor]:
+    """ops.kvcache_attention_call for a call with ``mods``: the mods_kvcache_fwd op under torch.compile,
+    else its body and the caches' version bump."""
+    if torch.compiler.is_compiling():
+        key, mod_tensors, mod_ints = split(mods)
+        return mods_kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, extras, floats, ints, mod_tensors,
+                                mod_ints, key)
+    result = dispatch.kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, *extras, *floats, *ints, mods=mods)
+    ops.mark_caches_written(k_cache, v_cache)
+    return result
+
 
 def attention(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], layout: List[Optional[Tensor]],
               alibi_slopes: Optional[Tensor], dropout_seed: Optional[Tensor], learnable_sink: Optional[Tensor],

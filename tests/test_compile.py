@@ -421,6 +421,14 @@ def test_opcheck_mods():
                                                  [], *PLAIN, CAUSAL, tensors, ints, key, False))
     torch.library.opcheck(OPS.mods_attn_probs.default, (q.detach(), k.detach(), v.detach(), lse, [], *PLAIN[:2],
                                                         PLAIN[3], CAUSAL, tensors, ints, key))
+    # The kv-cache op declares its writes of k_cache and v_cache.
+    k_cache, v_cache = _cache()
+    q1, k1, v1 = (randn(2, 1, n, HEAD_DIM, dtype=torch.float16) for n in (2, 1, 1))
+    seqlens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+    key, tensors, ints = mod_ops.split(resolve_mods(scaled_by_head, None, every_third_off, [weights], None, 2, 2, 1,
+                                                    SEQLEN, q1.device))
+    torch.library.opcheck(OPS.mods_kvcache_fwd.default, (q1, k_cache, v_cache, k1, v1, seqlens, [None] * 7,
+                                                         [HEAD_DIM ** -0.5, 0.0], [1, -1, -1, 1, 1], tensors, ints, key))
 
 
 # The public functions' calls with mods compile as one op from torch 2.13 on (mod_ops.TRACEABLE).
@@ -581,3 +589,32 @@ def test_compile_document_mask():
 
     with pytest.raises(Exception, match="outside"):
         _compiled(builds_mask)(q, k, v)
+
+
+@needs_traceable_mods
+def test_compile_kvcache_mods():
+    """A decoding step with a score mod and a mask mod: the compiled call writes the caches in place and
+    attends as eager does (torch.ops.flashtile.mods_kvcache_fwd)."""
+    dtype = DTYPES[0]
+    batch = 2
+    k_cache, v_cache = _cache(batch, dtype=dtype)
+    q = randn(batch, 2, 2, HEAD_DIM, dtype=dtype)
+    k, v = (randn(batch, 2, 1, HEAD_DIM, dtype=dtype) for _ in range(2))
+    seqlens = torch.tensor([3, SEQLEN - 2], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(2, device=DEVICE) + 0.5
+
+    def step(q, k_cache, v_cache, k, v, seqlens, weights):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True,
+                                       score_mod=scaled_by_head, mask_mod=every_third_off, aux_tensors=[weights])
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    compiled = _compiled(step)
+    with torch.no_grad():
+        out = compiled(q, k_cache, v_cache, k, v, seqlens, weights)
+        ref = step(q, k_ref, v_ref, k, v, seqlens, weights)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = compiled(q, k_cache, v_cache, k, v, seqlens.flip(0), weights * 2)
+        ref = step(q, k_ref, v_ref, k, v, seqlens.flip(0), weights * 2)
+        torch.testing.assert_close(out, ref, **_tol(dtype))

@@ -3,6 +3,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.reference import apply_rotary, attention_naive
@@ -83,8 +85,44 @@ def test_kvcache_leftpad(dtype, causal):
     run_kvcache_case(dtype, "rows", 2, 2, causal, "halves", leftpad=[3, 0, 41])
 
 
+@triton.jit
+def key_distance_bias(score, b, h, q_idx, kv_idx, aux):
+    """score + w[h] * (q - kv) / 16: reads an aux tensor, depends on the head and both positions."""
+    return score + tl.load(aux[0] + h) * (q_idx - kv_idx).to(tl.float32) * 0.0625
+
+
+@triton.jit
+def every_third_off(b, h, q_idx, kv_idx, aux):
+    return ((q_idx + 2 * kv_idx + h) % 3) != 0
+
+
+def key_distance_bias_twin(w):
+    return lambda s, b, h, i, j: s + w.to(s.dtype)[h] * (i - j).to(s.dtype) / 16
+
+
+def every_third_off_twin(b, h, i, j):
+    return ((i + 2 * j + h) % 3) != 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_mods(layout, seqlen_q, num_splits):
+    """A score mod reading an aux tensor and a mask mod on the kv-cache call, GQA (heads as rows and packed
+    GQA tiles step aside: the mods see query heads and rows), split or not; raw positions, as the
+    reference's per-sequence dense attention sees them."""
+    w = torch.rand(NHEADS, device=DEVICE)
+    kernel_mods = dict(score_mod=key_distance_bias, mask_mod=every_third_off, aux_tensors=[w])
+    reference_mods = dict(score_mod=key_distance_bias_twin(w), mask_mod=every_third_off_twin)
+    run_kvcache_case(DTYPES[0], layout, seqlen_q, 1, True, None, num_splits=num_splits, kernel_mods=kernel_mods,
+                     reference_mods=reference_mods)
+    if layout == "rows" and seqlen_q == 4:
+        run_kvcache_case(DTYPES[0], layout, seqlen_q, 2, False, "halves", leftpad=[3, 0, 41], num_splits=num_splits,
+                         kernel_mods=kernel_mods, reference_mods=reference_mods)
+
+
 def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1, alibi=False,
-                     lengths=(5, 0, 70), **score_options):
+                     lengths=(5, 0, 70), kernel_mods=None, reference_mods=None, **score_options):
     batch, seqlen_cache, page_size = 3, 96, 16
     cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
     q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
@@ -118,7 +156,7 @@ def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpa
     if leftpad is not None:
         leftpad = torch.tensor(leftpad, dtype=torch.int32, device=DEVICE)
         kwargs["cache_leftpad"] = leftpad
-    kwargs.update(score_options)
+    kwargs.update(score_options, **(kernel_mods or {}))
     if alibi:
         score_options["alibi_slopes"] = kwargs["alibi_slopes"] = torch.rand(batch, NHEADS, device=DEVICE) * 0.2
     if layout == "paged":
@@ -141,7 +179,7 @@ def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpa
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(written_k, k_full, rtol=eps if rotary else 0, atol=eps if rotary else 0)
 
-    options = dict(causal=causal, leftpad=leftpad, **score_options)
+    options = dict(causal=causal, leftpad=leftpad, **score_options, **(reference_mods or {}))
     ref, ref_lse = reference(q_ref.double(), k_full.double(), v_full.double(), cache_seqlens, seqlen_new,
                              torch.float64, **options)
     same, _ = reference(q_ref, k_full, v_full, cache_seqlens, seqlen_new, None, **options)
