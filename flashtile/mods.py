@@ -244,7 +244,13 @@ def resolve_attn_bias(attn_bias, batch: int, nheads: int, seqlen_q: int, seqlen_
     strides = [0 if n == 1 else st for n, st in zip(shape, strides)]
     grad_shape = target if deterministic else shape
     grad_strides = [0 if n == 1 else st for n, st in zip(grad_shape, torch.empty(grad_shape, device="meta").stride())]
-    if deterministic or (grad_shape[2] > 1 and grad_shape[3] > 1):
+    grad_dtype = torch.float32
+    if tuple(grad_shape) == target:
+        # One score per element: stored once, in the bias's dtype when no sum over broadcast dimensions follows.
+        grad_fn = builtin.attn_bias_grad_store
+        if shape == target:
+            grad_dtype = attn_bias.dtype
+    elif grad_shape[2] > 1 and grad_shape[3] > 1:
         grad_fn = builtin.attn_bias_grad
     elif grad_shape[3] > 1:
         grad_fn = builtin.attn_bias_grad_sum_queries
@@ -253,7 +259,8 @@ def resolve_attn_bias(attn_bias, batch: int, nheads: int, seqlen_q: int, seqlen_
     else:
         grad_fn = builtin.attn_bias_grad_sum_tile
     score_fn = builtin.attn_bias_score if shape[3] > 1 else builtin.attn_bias_score_keys_broadcast
-    return AttnBias(attn_bias, read, tuple(strides[:3]), tuple(grad_strides[:3]), grad_shape, score_fn, grad_fn)
+    return AttnBias(attn_bias, read, tuple(strides[:3]), tuple(grad_strides[:3]), grad_shape, score_fn, grad_fn,
+                    grad_dtype)
 
 
 def resolve_mods(score_mod, score_mod_bwd, mask_mod, aux_tensors, block_mask, batch: int, nheads: int,

@@ -97,11 +97,12 @@ class AttnBias:
     """A call's ``attn_bias`` (flashtile.mods.resolve_attn_bias checks it): ``tensor`` as given,
     ``read`` the tensor the kernels read (``tensor``, or a copy with unit key stride), ``strides``
     its batch, head and query strides as a (batch, nheads, seqlen_q, seqlen_k) tensor (0 along
-    broadcast dimensions), ``grad_strides`` those of its gradient's float32 accumulator, of shape
-    ``grad_shape`` (the bias's, as four dimensions; the full broadcast shape for a deterministic
-    backward, whose sums over broadcast dimensions then run in torch in a fixed order).
-    ``score_fn``: the score mod that adds it; ``grad_fn``: the dQ kernel's backward that adds into the
-    accumulator (both kernels/portable/mods.py, which says what their aux holds)."""
+    broadcast dimensions), ``grad_strides`` those of its gradient's buffer, of shape ``grad_shape``
+    (the bias's, as four dimensions; the full broadcast shape for a deterministic backward, whose sums
+    over broadcast dimensions then run in torch in a fixed order) and dtype ``grad_dtype`` (float32
+    where the kernels or torch sum into it, else the bias's own). ``score_fn``: the score mod that adds
+    it; ``grad_fn``: the dQ kernel's backward that adds or stores into the buffer (both
+    kernels/portable/mods.py, which says what their aux holds)."""
 
     tensor: torch.Tensor
     read: torch.Tensor
@@ -110,15 +111,16 @@ class AttnBias:
     grad_shape: Tuple[int, int, int, int]
     score_fn: object
     grad_fn: object
+    grad_dtype: torch.dtype = torch.float32
 
     def forward_aux(self) -> tuple:
         """The mods' aux of the forward (the bias stands in for the accumulator it never reads)."""
         return (self.read, *self.strides, self.read, *self.strides)
 
     def backward_mods(self, mods: Mods) -> Tuple[Mods, torch.Tensor]:
-        """(``mods`` with the dQ kernel adding the bias's gradient into a fresh zeroed float32
-        accumulator, that accumulator)."""
-        grad = torch.zeros(self.grad_shape, dtype=torch.float32, device=self.tensor.device)
+        """(``mods`` with the dQ kernel adding or storing the bias's gradient into a fresh zeroed
+        buffer, that buffer)."""
+        grad = torch.zeros(self.grad_shape, dtype=self.grad_dtype, device=self.tensor.device)
         aux = (self.read, *self.strides, grad, *self.grad_strides)
         return dataclasses.replace(mods, dq_score_mod_bwd=self.grad_fn, dq_score_aux=aux), grad
 

@@ -81,6 +81,17 @@ def attn_bias_score_keys_broadcast(score, b, h, q_idx, kv_idx, aux):
 # tile. Positions past a sequence's end are clamped onto its last one, where the gradient is exactly 0.
 
 @triton.jit
+def attn_bias_grad_store(grad, score, b, h, q_idx, kv_idx, aux):
+    """A gradient of the call's full (batch, nheads, seqlen_q, seqlen_k) shape: one score per element,
+    so a store, no atomic, and no float32 accumulator to convert afterwards. A clamped position
+    shares its address with the last one and has a gradient of exactly 0: zeros store nothing (the
+    buffer starts at zeros), so they never overwrite the last position's."""
+    tl.store(aux[4] + (_row_offsets(b, h, q_idx, aux, 4) + kv_idx), grad.to(aux[4].dtype.element_ty),
+             mask=grad != 0.0)
+    return grad
+
+
+@triton.jit
 def attn_bias_grad(grad, score, b, h, q_idx, kv_idx, aux):
     tl.atomic_add(aux[4] + (_row_offsets(b, h, q_idx, aux, 4) + kv_idx), grad, sem="relaxed")
     return grad
