@@ -645,8 +645,7 @@ class KVCacheStep:
                  mods: Optional[Mods] = None):
         batch, seqlen_q, nheads, _ = q.shape
         # Score / mask mods see query heads and query rows: no heads as rows, no packed GQA tiles.
-        # (The Hopper forward's relative-bias table path serves dense and packed calls, not caches.)
-        self.mods = None if mods is None else dataclasses.replace(mods, relative_bias_table=None)
+        self.mods = mods
         seqlen_new = 0 if k is None else k.shape[1]
         paged = block_table is not None
         self.capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile import flash_attn_with_kvcache
+from flashtile import flash_attn_with_kvcache, mods
 from flashtile.reference import apply_rotary, attention_naive
 from flashtile.testing import check_errors, check_lse, rel_error
 
@@ -229,3 +229,15 @@ def test_kvcache_bad_input_leaves_the_cache_untouched():
         cos = torch.ones(16, HEAD_DIM, device=DEVICE)
         flash_attn_with_kvcache(q, k_cache, k_cache, rotary_cos=cos, rotary_sin=cos)
     assert torch.equal(k_cache, before)
+
+
+def test_kvcache_relative_bias_mod():
+    """flashtile.mods.relative_bias on the kv-cache call: its table runs as a score mod here (the Hopper
+    forward's table path reads packed sequences only; gluon_decision sends cache layouts elsewhere)."""
+    table = torch.randn(NHEADS, 9, device=DEVICE)
+
+    def twin(s, b, h, i, j):
+        return s + table.to(s.dtype)[h, (j - i).clamp(-4, 4) + 4]
+
+    run_kvcache_case(DTYPES[0], "paged", 2, 1, True, None, num_splits=2,
+                     kernel_mods=dict(score_mod=mods.relative_bias(table)), reference_mods=dict(score_mod=twin))
