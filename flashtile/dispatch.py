@@ -69,15 +69,25 @@ def _score_options(params: ScoreParams) -> list:
 
 def hopper_takes(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     """Whether the Hopper kernel ``kernel`` computes these score options: anything but dropout (and a
-    scale <= 0) and mods (but for a relative-bias table alone: mods.relative_bias), except that the
-    backward's head-dim-256 kernel (head dims above 128) takes no softcap, ALiBi, window or table."""
-    if params.dropout_p > 0.0 or params.softmax_scale <= 0 or not _hopper_takes_mods(params):
+    scale <= 0) and mods (but for a relative-bias table alone: mods.relative_bias; and in the forward at
+    head dims 65 to 128, attn_bias alone), except that the backward's head-dim-256 kernel (head dims
+    above 128) takes no softcap, ALiBi, window or table."""
+    if params.dropout_p > 0.0 or params.softmax_scale <= 0 or not _hopper_takes_mods(kernel, params, head_dim):
         return False
     return kernel == FWD_GLUON or padded_head_dim(head_dim) <= 128 or not _score_options(params)
 
 
-def _hopper_takes_mods(params: ScoreParams) -> bool:
-    return params.mods is None or params.mods.relative_bias_table is not None
+def _hopper_takes_mods(kernel: str, params: ScoreParams, head_dim: int) -> bool:
+    mods = params.mods
+    if mods is None or mods.relative_bias_table is not None:
+        return True
+    # attn_bias alone, 16-bit, varying along the keys (one along the queries only changes no probability),
+    # in the forward, whose consumers load it beside the scores (kernels/hopper/scores.attn_bias_tile). At
+    # head dim 64 the portable forward was the faster (docs/experiments.md), 256 is unmeasured, and a
+    # float32 bias's tiles overflow shared memory on their way into the scores' layout.
+    bias = mods.attn_bias
+    return (kernel == FWD_GLUON and bias is not None and mods.mask_mod is None and mods.block_mask is None
+            and bias.read.shape[-1] > 1 and bias.read.element_size() == 2 and padded_head_dim(head_dim) == 128)
 
 
 def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
@@ -87,9 +97,13 @@ def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
         return f"dropout (dropout_p={params.dropout_p}): the Hopper kernels take no dropout"
     if params.softmax_scale <= 0:
         return f"softmax_scale={params.softmax_scale} <= 0: the Hopper kernels take positive scales"
-    if not _hopper_takes_mods(params):
+    if not _hopper_takes_mods(kernel, params, head_dim):
+        if kernel == BWD_GLUON and params.mods.attn_bias is not None:
+            return ("attn_bias: the Hopper backward does not read a bias (the Hopper forward does, a 16-bit one "
+                    "at head dims 65 to 128); the portable backward computes the gradients and the bias's")
         return (f"{' and '.join(params.mods.names())}: the Hopper kernels take no user mods (the portable ones do; "
-                "the Hopper kernels take mods.relative_bias alone)")
+                "the Hopper kernels take mods.relative_bias alone, and the forward attn_bias alone: float16 or "
+                "bfloat16, varying along the keys, at head dims 65 to 128)")
     return (f"{' and '.join(_score_options(params))} at head dim {head_dim}: the Hopper backward takes score "
             "options at head dims up to 128 (its head-dim-256 kernel takes plain or causal attention only)")
 

@@ -162,10 +162,63 @@ def test_qkvpacked():
 
 
 def test_explain_names_attn_bias():
-    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], requires_grad=False)
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64)), device_capability=(9, 0))
-    assert explanation.forward.path == "portable" and "attn_bias" in explanation.forward.reason
+    """On sm90 the Hopper forward reads a 16-bit bias that varies along the keys at head dims 65 to 128;
+    the backward (and a bias constant along the keys, one beside a mask_mod, a float32 one, or head dim
+    64) stays on the portable kernels, and says why."""
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 128, DTYPES[0], requires_grad=False)
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0))
+    assert explanation.forward.path == "hopper", explanation.forward.reason
     assert explanation.backward.path == "portable" and "attn_bias" in explanation.backward.reason
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((64, 1)), device_capability=(9, 0))
+    assert explanation.forward.path == "portable" and "attn_bias" in explanation.forward.reason
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0),
+                                    mask_mod=flashtile.mods.sliding_window(8, 0, device=DEVICE))
+    assert explanation.forward.path == "portable" and "attn_bias" in explanation.forward.reason
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), torch.float32),
+                                    device_capability=(9, 0))
+    assert explanation.forward.path == "portable" and "bfloat16" in explanation.forward.reason
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], requires_grad=False)
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0))
+    assert explanation.forward.path == "portable" and "65 to 128" in explanation.forward.reason
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Hopper forward: compiled on sm90")
+@pytest.mark.parametrize("head_dim", [128, 96, 64])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("options", ["causal", "full", "window-softcap-alibi", "gqa-sink"])
+def test_hopper_forward(head_dim, bias_dtype, options):
+    """The Hopper forward adding a 16-bit bias at head dims 65 to 128 (asked of flashtile.explain first, so
+    a bias that leaves it fails here; head dim 64 and float32 biases stay portable): odd lengths, every
+    option beside it, -inf in the bias, and a row with no key left (out 0, lse -inf, or the sink's
+    logit)."""
+    sq, sk = (1023, 1023) if options != "full" else (113, 1500)
+    q, k, v = make_qkv(2, sq, sk, 4, 2 if options == "gqa-sink" else 4, head_dim, torch.bfloat16)
+    kwargs = dict(causal=options in ("causal", "gqa-sink"))
+    if options == "window-softcap-alibi":
+        kwargs.update(window_size=(300, 40), softcap=20.0, alibi_slopes=torch.rand(2, 4, device=DEVICE) * 0.1)
+    sink = None
+    if options == "gqa-sink":
+        sink = torch.randn(4, device=DEVICE).requires_grad_()
+        kwargs.update(learnable_sink=sink)
+    bias = _bias((2, 4, sq, sk) if options != "full" else (4, sq, sk), bias_dtype, requires_grad=False)
+    bias[..., 7, 3::2] = float("-inf")
+    bias.requires_grad_()
+    explanation = flashtile.explain(q, k, v, attn_bias=bias, **kwargs)
+    hopper = head_dim > 64 and bias_dtype != torch.float32
+    assert explanation.forward.path == ("hopper" if hopper else "portable"), explanation.forward.reason
+    errors, lse, ref_lse = call_errors(flashtile.flash_attn_func, q, k, v, attn_bias=bias, **kwargs)
+    check_errors(errors, q.dtype)
+    check_lse(lse, ref_lse)
+    # Forward only: the float64 reference's gradient of a row with no key is NaN.
+    empty = bias.detach().clone()
+    empty[..., 5, :] = float("-inf")
+    errors, lse, ref_lse = call_errors(flashtile.flash_attn_func, q, k, v, backward=False, attn_bias=empty, **kwargs)
+    check_errors(errors, q.dtype)
+    check_lse(lse, ref_lse)
+    if sink is None:
+        assert torch.isneginf(lse[:, :, 5]).all()
+    else:
+        torch.testing.assert_close(lse[:, :, 5], sink.detach().expand(2, 4))
 
 
 def test_errors():

@@ -368,8 +368,8 @@ def _relative_bias_params(causal: bool, nheads: int) -> ScoreParams:
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper forward: a dense batch, a packed one, a dense batch with every
     score option at once (a sliding window, softcap, (b, h) ALiBi slopes), one with a relative-bias
-    table, and from head dim 128 a dense batch whose values have half the head dim
-    (head_dim_v != head_dim_qk)."""
+    table, at head dim 128 one with an attn_bias (dispatch.hopper_takes), and from head dim 128 a dense
+    batch whose values have half the head dim (head_dim_v != head_dim_qk)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
     out, lse = torch.empty_like(q), _empty(2, h, 1024, dtype=torch.float32)
@@ -381,6 +381,8 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
               ("varlen", lambda: gluon_forward(qv, qv, qv, outv, lsev, params, cfg, seqs)),
               ("options", lambda: gluon_forward(q, q, q, out, lse, options, cfg)),
               ("relative-bias", lambda: gluon_forward(q, q, q, out, lse, _relative_bias_params(causal, h), cfg))]
+    if d == 128:
+        builds.append(("attn-bias", lambda: gluon_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 1024), cfg)))
     if d >= 128:
         v_half = _empty(2, 1024, h, d // 2, dtype=dtype)
         builds.append(("head-dim-v", lambda: gluon_forward(q, q, v_half, torch.empty_like(v_half), lse, params, cfg)))

@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import reinterpret, tma_load, tma_store
 from .block_info import key_blocks
-from .scores import (LN2, LOG2E, alibi_slope_log2, modded_scores_log2, relative_bias_far_entry, relative_bias_log2,
-                     relative_bias_row)
+from .scores import (LN2, LOG2E, alibi_slope_log2, attn_bias_head, attn_bias_log2, attn_bias_rows, attn_bias_tile,
+                     modded_scores_log2, relative_bias_far_entry, relative_bias_log2, relative_bias_row)
 from .seqlen_info import forward_tile
 from .sink import fold_sink, load_sink_log2
 
@@ -191,20 +191,22 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 # ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, score,
+def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, score, bias,
                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, s_layout: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr,
+                   s_layout: gl.constexpr,
                    ROW_SUM_MMA: gl.constexpr):
     """Online-softmax update for one score block (keys from start_n). Returns (p, alpha, m_new,
     l_new); m is in scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2. ROW_SUM_MMA: l
     is the tensor cores' (see _consume) and comes back as it came. MASK: keys past the ragged end
     and, when CAUSAL, past the row's diagonal (rows + diag, bottom-right aligned), and with a window
     (LOCAL) outside the row's band, count as -inf. score: (ALiBi slope, softcap scale, softcap,
-    window left, window right, relative-bias row, its distance, the slice's first row) of SOFTCAP /
-    ALIBI / LOCAL / REL_BIAS (scores.py)."""
-    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0 = score
+    window left, window right, relative-bias row, its distance, the slice's first row, attn_bias's row
+    pointers) of SOFTCAP / ALIBI / LOCAL / REL_BIAS / BIAS (scores.py). bias: with BIAS, the block's
+    attn_bias tile as loaded (scores.attn_bias_tile, a block ahead), else 0."""
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0, bias_rows = score
     offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS
+    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS
     if REL_BIAS and not ALIBI and not MASK:
         # A block beyond the table's distance from every row adds one entry to all its scores: the
         # entry joins the row max instead (as the scale does), and the scores stay raw.
@@ -221,14 +223,17 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
                                                          row_term, window_left, window_right, BLOCK_N, MASK, CAUSAL,
                                                          LOCAL, s_layout, ROW_SUM_MMA)
         else:
-            s = _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, offsets, SOFTCAP, ALIBI, REL_BIAS)
+            s = _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, bias, offsets, SOFTCAP, ALIBI, REL_BIAS,
+                               BIAS)
             p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, 1.0, None,
                                                      window_left, window_right, BLOCK_N, MASK, CAUSAL, LOCAL,
                                                      s_layout, ROW_SUM_MMA)
     elif MODDED:
-        s = _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, offsets, SOFTCAP, ALIBI, REL_BIAS)
+        s = _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, bias, offsets, SOFTCAP, ALIBI, REL_BIAS, BIAS)
+        # A bias may hold -inf: a row can then have no visible key so far in any block, masked or not.
         p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, 1.0, None, window_left,
-                                                 window_right, BLOCK_N, MASK, CAUSAL, LOCAL, s_layout, ROW_SUM_MMA)
+                                                 window_right, BLOCK_N, MASK, CAUSAL, LOCAL, s_layout, ROW_SUM_MMA,
+                                                 BIAS)
     else:
         p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, None,
                                                  window_left, window_right, BLOCK_N, MASK, CAUSAL, LOCAL, s_layout,
@@ -237,10 +242,11 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
 
 
 @gluon.jit
-def _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, offsets, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                   REL_BIAS: gl.constexpr):
-    """Raw dot products -> the options' scores in log2 units, element by element (scores.py)."""
-    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0 = score
+def _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, bias, offsets, SOFTCAP: gl.constexpr,
+                   ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr):
+    """Raw dot products -> the options' scores in log2 units, element by element (scores.py); bias: the
+    block's attn_bias tile as loaded (BIAS)."""
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0, bias_rows = score
     offset = gl.expand_dims(rows + diag - start_n, 1) - gl.expand_dims(offsets, 0)
     s, _ = modded_scores_log2(s, offset, qk_scale_log2, softcap_scale, softcap_log2, slope_log2, SOFTCAP, ALIBI)
     if REL_BIAS:
@@ -249,15 +255,18 @@ def _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, offsets, SOFTCA
         entry = relative_bias_far_entry(start_n - (row0 + 63), start_n + (BLOCK_N - 1) - row0, rel_distance)
         s = relative_bias_log2(s, gl.expand_dims(offsets + start_n, 0), gl.expand_dims(rows, 1), entry, rel_row,
                                rel_distance)
+    if BIAS:
+        s = s + attn_bias_log2(bias)
     return s
 
 
 @gluon.jit
 def _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, scale, row_term, window_left, window_right,
                     BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                    s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+                    s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr, EMPTY_ROWS: gl.constexpr = False):
     """The softmax step of _softmax_block on scores s * scale + row_term (log2 units; scale > 0, a
-    constant 1.0 for scores already scaled; row_term: None, or a value per row)."""
+    constant 1.0 for scores already scaled; row_term: None, or a value per row). EMPTY_ROWS: a row may
+    have seen only -inf scores so far in unmasked blocks too (MASK implies it)."""
     if MASK:
         # One compare per score: the column's offset in the block (a constant per thread) against
         # the row's last visible key, moved into the block. Comparing absolute key indices with
@@ -278,7 +287,7 @@ def _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, scale, row_term,
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale + row_term)
-    if MASK:
+    if MASK or EMPTY_ROWS:
         # A row with every key masked so far keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -329,6 +338,20 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
 
 
 @gluon.jit
+def _block_bias(score, start_n, seqlen_k, BLOCK_N: gl.constexpr, MASK: gl.constexpr, BIAS: gl.constexpr,
+                s_layout: gl.constexpr):
+    """The attn_bias tile of the block from key start_n as stored (scores.attn_bias_tile), or 0 without
+    BIAS. Called right after S's wgmma is issued, so that the loads fly with it."""
+    _, _, _, _, _, _, _, _, bias_rows = score
+    if BIAS:
+        bias = attn_bias_tile(bias_rows, start_n, seqlen_k, BLOCK_N, MASK, s_layout)
+    else:
+        bias = 0
+    return bias
+
+
+
+@gluon.jit
 def _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES: gl.constexpr):
     """Ring slots of block j's K and block j - 1's V (kv0: the ring position of block 0), and their
     phase, once both have landed: (stage, phase, prev)."""
@@ -345,7 +368,8 @@ def _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES: gl.constexpr):
 def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn,
                       other_turn, acc, p_op, m_i, l_i, j_start, j_end, kv0, turn0, rows, seqlen_k, diag,
                       qk_scale_log2, score, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr,
+                      CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                      REL_BIAS: gl.constexpr, BIAS: gl.constexpr,
                       PINGPONG: gl.constexpr, s_layout: gl.constexpr,
                       p_layout: gl.constexpr, SKIP_LAST_CHUNK: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Blocks j in [j_start, j_end): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together (and
@@ -372,6 +396,7 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
             l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
+        bias = _block_bias(score, j * BLOCK_N, seqlen_k, BLOCK_N, MASK, BIAS, s_layout)
 
         # wgmma groups retire in order: with the P V (and P 1) groups outstanding, S_j is done.
         if SKIP_LAST_CHUNK:
@@ -380,7 +405,8 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
             s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_op, k_t])
         mbarrier.arrive(k_empty.index(stage))
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, j * BLOCK_N, seqlen_k, diag, qk_scale_log2, score,
-                                            BLOCK_N, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, s_layout, ROW_SUM_MMA)
+                                            bias, BLOCK_N, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS,
+                                            s_layout, ROW_SUM_MMA)
         if ROW_SUM_MMA:
             acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
             l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
@@ -466,7 +492,8 @@ def _release_blocks(k_ready, k_empty, v_ready, v_empty, kv0, j_start, j_end, NUM
 def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
                      other_turn, acc, p_op, m_i, l_i, j, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
                      CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+                     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr,
+                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
                      p_layout: gl.constexpr):
     """The tile's last key block j (>= 1) for a warpgroup whose rows see only its first BLOCK_N / 2 keys
     (TRIM_DIAGONAL): S = Q K_j[:half]^T is issued with O += P_{j-1} V_{j-1}, then O += P_j V_j[:half].
@@ -492,6 +519,12 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
         l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
     if PINGPONG:
         mbarrier.arrive(other_turn)
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0, bias_rows = score
+    if BIAS:
+        bias_rows = gl.convert_layout(bias_rows, h_rows)
+    half_score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0,
+                  bias_rows)
+    bias = _block_bias(half_score, j * BLOCK_N, seqlen_k, HALF, True, BIAS, h_layout)
     s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_op, k_half_t])
     mbarrier.arrive(k_empty.index(stage))
     if PERSISTENT:
@@ -502,7 +535,8 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
     else:
         l_h = gl.convert_layout(l_i, h_rows)
     p, alpha, m_h, l_h = _softmax_block(s, m_h, l_h, gl.convert_layout(rows, h_rows), j * BLOCK_N, seqlen_k, diag,
-                                        qk_scale_log2, score, HALF, True, CAUSAL, False, SOFTCAP, ALIBI, REL_BIAS, h_layout,
+                                        qk_scale_log2, half_score, bias, HALF, True, CAUSAL, False, SOFTCAP, ALIBI,
+                                        REL_BIAS, BIAS, h_layout,
                                         ROW_SUM_MMA)
     if ROW_SUM_MMA:
         acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
@@ -533,7 +567,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
              start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked, n_total,
              kv0, turn0, q_phase, reverse, score, sink_ptr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr,
+             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
              HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
              TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, HEAD_DIM_V_TRUE: gl.constexpr):
@@ -577,9 +611,15 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
 
     my_start = _chunk_start(start_m, CONSUMER, reverse, BLOCK_M // 64)
     rows = my_start + gl.arange(0, 64, layout=row_layout)
-    # The relative bias reads its blocks' distance from the diagonal off the slice's first row.
-    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, unset = score
-    score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, my_start)
+    # The relative bias reads its blocks' distance from the diagonal off the slice's first row; attn_bias
+    # its rows' pointers (from the (batch, head)'s first element, with the bias's query stride).
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, bias_head = score
+    bias_head, stride_bias_m = bias_head
+    bias_rows = 0
+    if BIAS:
+        bias_rows = attn_bias_rows(bias_head, rows, seqlen_q, stride_bias_m)
+    score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, my_start,
+             bias_rows)
     diag = seqlen_k - seqlen_q
 
     # Ping-pong: consumer warpgroups take turns (round robin) issuing their wgmmas, so one's
@@ -622,6 +662,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                                   is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
+        bias = _block_bias(score, n_first * BLOCK_N, seqlen_k, BLOCK_N, True, BIAS, s_layout)
         if SKIP_LAST_CHUNK:
             s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_buf, k_smem])
         else:
@@ -633,12 +674,12 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         # split an async group.
         if (n_free_lo <= n_first) & (n_first < n_unmasked):
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                                score, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, s_layout,
-                                                ROW_SUM_MMA)
+                                                score, bias, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
+                                                BIAS, s_layout, ROW_SUM_MMA)
         else:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                                score, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, s_layout,
-                                                ROW_SUM_MMA)
+                                                score, bias, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
+                                                BIAS, s_layout, ROW_SUM_MMA)
         p_op = _probabilities_operand(p, v_smem.dtype, p_layout)
 
         # Mask-free blocks, then the blocks on the diagonal / ragged end (but a last block this
@@ -654,7 +695,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             acc, p_op, m_i, l_i = _pipelined_blocks(
                 q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc,
                 p_op, m_i, l_i, n_first + 1, free_start, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-                BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, s_layout, p_layout,
+                BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
                 SKIP_LAST_CHUNK, ROW_SUM_MMA)
             split = gl.minimum(gl.maximum(n_unmasked, free_start), gl.maximum(n_wide, free_start))
         else:
@@ -662,12 +703,14 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
             m_i, l_i, free_start, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-            BLOCK_N, NUM_STAGES, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
+            BLOCK_N, NUM_STAGES, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
+            SKIP_LAST_CHUNK,
             ROW_SUM_MMA)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
             m_i, l_i, split, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-            BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, s_layout, p_layout, SKIP_LAST_CHUNK,
+            BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
+            SKIP_LAST_CHUNK,
             ROW_SUM_MMA)
 
         if TRIM_DIAGONAL:
@@ -675,7 +718,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                 acc, m_i, l_i = _half_last_block(
                     q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
                     other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, PERSISTENT, ROW_SUM_MMA,
+                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, PERSISTENT,
+                    ROW_SUM_MMA,
                     p_layout)
             else:
                 acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
@@ -777,9 +821,10 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
               cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group,
               qk_scale_log2, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes, stride_alibi_b,
-              sink_ptr, rel_bias_table, rel_bias_distance, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              sink_ptr, rel_bias_table, rel_bias_distance, attn_bias, stride_bias_b, stride_bias_h, stride_bias_m,
+              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, PINGPONG: gl.constexpr,
+              ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
               ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr,
               HEAD_DIM_V_TRUE: gl.constexpr):
@@ -799,12 +844,14 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                     reverse = half == 1
                 score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale,
                          softcap_log2, window_left, window_right,
-                         relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS), rel_bias_distance, 0)
+                         relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS), rel_bias_distance,
+                         (attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS), stride_bias_m))
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_first, n_free_lo,
                          n_unmasked, n_total, kv0, turn0, tile_iter & 1, reverse, score, sink_ptr, CONSUMER, BLOCK_M,
-                         BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, False, False, HEAD_DIM_TRUE,
+                         BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, False, False,
+                         HEAD_DIM_TRUE,
                          True, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
                 n_blocks = n_total - n_first
                 kv0 += n_blocks
@@ -821,21 +868,24 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                                                              BLOCK_M, BLOCK_N, CAUSAL, LOCAL, seqused_q is not None)
         score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
                  window_left, window_right, relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS),
-                 rel_bias_distance, 0)
+                 rel_bias_distance,
+                 (attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS), stride_bias_m))
         if IS_VARLEN:
             if valid:
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first,
                          n_free_lo, n_unmasked, n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, seqused_q is not None,
+                         NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN,
+                         seqused_q is not None,
                          HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
                      start_m, head, batch, q_start, seqlen_q, seqlen_k, rows_end, n_first, n_free_lo, n_unmasked,
                      n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LOCAL,
-                     SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL,
+                     SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA,
+                     TRIM_DIAGONAL,
                      OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
 
 
@@ -865,10 +915,13 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, window_left=0, window_right=0,
                           softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0,
                           HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None, rel_bias_table=None,
-                          rel_bias_distance=0):
+                          rel_bias_distance=0, attn_bias=None, stride_bias_b=0, stride_bias_h=0, stride_bias_m=0):
     # rel_bias_table: a relative-position bias table (nheads, 2 * rel_bias_distance + 1), float32
-    # (flashtile.mods.relative_bias, scores.relative_bias_log2), or None.
+    # (flashtile.mods.relative_bias, scores.relative_bias_log2), or None. attn_bias: a bias added to
+    # the scores, read with these batch / head / query strides (0 along broadcast dimensions) and unit key
+    # stride (scores.attn_bias_tile), or None.
     REL_BIAS: gl.constexpr = rel_bias_table is not None
+    BIAS: gl.constexpr = attn_bias is not None
     # V's (and O's) head dim when it differs from Q's and K's (v_desc's and o_desc's boxes are its padded
     # width); None: the same.
     V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
@@ -929,8 +982,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
@@ -943,15 +999,21 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 1, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
@@ -964,22 +1026,31 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 1, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 2, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
@@ -993,29 +1064,41 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 0, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 1, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 1, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 2, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
-                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance, 3, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT, ROW_SUM_MMA,
+                         softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 3, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL,
+                         LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
+                         ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,

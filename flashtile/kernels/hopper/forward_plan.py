@@ -27,7 +27,9 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
     """out = softmax(q k^T * softmax_scale) v, lse = its natural-log logsumexp per query row.
     ``options`` (ForwardPlan's): softcap, window_left / window_right, alibi_slopes, as flash_attn's,
     learnable_sink ((h,) sink logits, taken into out and lse: kernels/portable/sink.py), and
-    rel_bias_table (a float32 (h, 2 * D + 1) relative-position bias table: flashtile.mods.relative_bias).
+    rel_bias_table (a float32 (h, 2 * D + 1) relative-position bias table: flashtile.mods.relative_bias),
+    attn_bias (a floating-point bias with unit key stride, added to the scores) and attn_bias_strides (its
+    batch, head and query strides as a (b, h, sq, sk) tensor: 0 along broadcast dimensions).
 
     Dense: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), out (b, sq, h, dv); lse (b, h, sq) float32.
     Varlen (cu_seqlens_q given): the packed tensors as batch-1 views, q, out (1, total_q, h, d),
@@ -55,7 +57,7 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen,
                        **options)
     descriptors = plan.descriptors(q, k, v, out)
-    tensors = {name: options.get(name) for name in ("alibi_slopes", "learnable_sink", "rel_bias_table")}
+    tensors = {name: options.get(name) for name in ("alibi_slopes", "learnable_sink", "rel_bias_table", "attn_bias")}
     return lambda: plan.launch(descriptors, out, lse, **tensors, **varlen)
 
 
@@ -111,7 +113,8 @@ class ForwardPlan:
 
     def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, max_seqlen_q=None, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, alibi_slopes=None, learnable_sink=None, rel_bias_table=None):
+                 window_right: int = -1, alibi_slopes=None, learnable_sink=None, rel_bias_table=None,
+                 attn_bias=None, attn_bias_strides=(0, 0, 0)):
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         local, window_left, window_right = band_sides(causal, window_left, window_right)
@@ -127,6 +130,7 @@ class ForwardPlan:
         assert not cfg.own_key_range or not (cfg.pingpong or cfg.trim_diagonal)
         assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
         assert rel_bias_table is None or rel_bias_table.shape[0] == nheads
+        assert attn_bias is None or (attn_bias.stride(-1) == 1 and attn_bias.shape[-1] > 1)
         varlen = cu_seqlens_q is not None
         if varlen:
             assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
@@ -187,21 +191,23 @@ class ForwardPlan:
                  **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes,
                                     rel_bias_table),
                  **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
+                 **({} if attn_bias is None else dict(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"),
+                                                          attn_bias_strides))), attn_bias=attn_bias,
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table"))
+                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table", "attn_bias"))
 
     def descriptors(self, q, k, v, out) -> tuple:
         """The TMA descriptors of one call's tensors (q, k, v, o order)."""
         return self.q_tiles(q), self.k_tiles(k), self.v_tiles(v), self.o_tiles(out)
 
     def launch(self, descriptors, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-               seqused_k=None, alibi_slopes=None, learnable_sink=None, rel_bias_table=None):
+               seqused_k=None, alibi_slopes=None, learnable_sink=None, rel_bias_table=None, attn_bias=None):
         """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
         if self.call is None:
             return None
         return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         out if self.varlen else None, alibi_slopes, learnable_sink, rel_bias_table)
+                         out if self.varlen else None, alibi_slopes, learnable_sink, rel_bias_table, attn_bias)
 
     def __call__(self, q, k, v, out, lse, **varlen):
         if self.call is None:

@@ -24,11 +24,11 @@ class GluonForward:
                                 softcap=params.softcap, window_left=params.window_left,
                                 window_right=params.window_right, alibi_slopes=params.alibi_slopes,
                                 learnable_sink=params.learnable_sink, rel_bias_table=_rel_bias_table(params),
-                                **gluon_seq_tensors(seqs))
+                                **_attn_bias(params), **gluon_seq_tensors(seqs))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         tensors = dict(alibi_slopes=params.alibi_slopes, learnable_sink=params.learnable_sink,
-                       rel_bias_table=_rel_bias_table(params))
+                       rel_bias_table=_rel_bias_table(params), attn_bias=_attn_bias(params).get("attn_bias"))
         if seqs is None:
             self.plan(q, k, v, out, lse, **tensors)
         else:
@@ -39,6 +39,13 @@ def _rel_bias_table(params: ScoreParams):
     """The relative-position bias table of a call whose only mod is mods.relative_bias (the one mod the
     Hopper kernels take: dispatch.hopper_takes), else None."""
     return None if params.mods is None else params.mods.relative_bias_table
+
+
+def _attn_bias(params: ScoreParams) -> dict:
+    """The forward's attn_bias arguments (the tensor it reads, its strides) when the call's only mod is
+    attn_bias (dispatch.hopper_takes sends no other mods here), else none."""
+    bias = None if params.mods is None else params.mods.attn_bias
+    return {} if bias is None else dict(attn_bias=bias.read, attn_bias_strides=bias.strides)
 
 
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,

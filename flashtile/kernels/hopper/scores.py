@@ -1,6 +1,6 @@
 """The Hopper kernels' score options, written once for the forward and the backward: softcap and
 ALiBi on a tile of raw dot products, and the sliding-window band; and the forward's relative-position
-bias table (flashtile.mods.relative_bias). Same order and meaning as the
+bias table (flashtile.mods.relative_bias) and attn_bias. Same order and meaning as the
 portable kernels' pipeline (portable/scores.py): q.k * scale -> softcap -> + ALiBi bias -> the
 causal / window / bounds mask, scores in log2 units so the softmax uses exp2.
 
@@ -91,3 +91,48 @@ def relative_bias_log2(s, key_positions, query_positions, entry, table_row, max_
         index = gl.minimum(gl.maximum(distance, -max_distance), max_distance) + max_distance
         s = s + gl.load(table_row + index) * LOG2E
     return s
+
+
+@gluon.jit
+def attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS: gl.constexpr):
+    """The (batch, head)'s first attn_bias element (0 without one)."""
+    if BIAS:
+        ptr = attn_bias + batch.to(gl.int64) * stride_bias_b + head.to(gl.int64) * stride_bias_h
+    else:
+        ptr = 0
+    return ptr
+
+
+@gluon.jit
+def attn_bias_rows(bias_head, rows, seqlen_q, stride_bias_m):
+    """Pointers to the attn_bias rows of query rows ``rows`` (bias_head: the (batch, head)'s (0, 0)
+    element). Rows past the sequence read its last row: their scores are discarded."""
+    return bias_head + gl.minimum(rows, seqlen_q - 1).to(gl.int64) * stride_bias_m
+
+
+@gluon.jit
+def attn_bias_tile(bias_rows, start_n, seqlen_k, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
+    """attn_bias over a score tile's rows (bias_rows: attn_bias_rows') and keys [start_n, start_n +
+    BLOCK_N), as stored (convert with attn_bias_log2), in the scores' layout. Unit key stride. MASK: the
+    keys may pass seqlen_k (their scores are masked, the loads skipped); without it, no key index is
+    clamped or tested, so each load is a row pointer plus a constant offset, 16 bytes wide."""
+    # Loaded in 16-byte pieces along rows (a warp reads whole 128-byte lines), then moved into the scores'
+    # layout through shared memory. Loaded in that layout, each load instruction touched 8 lines for 16
+    # bytes of each, and the forward was slower (docs/experiments.md).
+    VEC: gl.constexpr = 128 // bias_rows.dtype.element_ty.primitive_bitwidth
+    ACROSS: gl.constexpr = min(BLOCK_N // VEC, 32)
+    coalesced: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // ACROSS, ACROSS], [4, 1], [1, 0])
+    rows = gl.convert_layout(bias_rows, gl.SliceLayout(1, coalesced))
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, coalesced))
+    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0)
+    if MASK:
+        bias = gl.load(ptrs, mask=gl.expand_dims(cols < seqlen_k, 0), other=0.0)
+    else:
+        bias = gl.load(ptrs)
+    return gl.convert_layout(bias, s_layout)
+
+
+@gluon.jit
+def attn_bias_log2(bias):
+    """An attn_bias tile as attn_bias_tile loaded it -> float32 in log2 units, to add to the scores."""
+    return bias.to(gl.float32) * LOG2E
