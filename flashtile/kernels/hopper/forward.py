@@ -32,6 +32,10 @@ Head dims 96 and 192 (HEAD_DIM_TRUE) run the d128 and d256 kernels: the TMA boxe
 width over the true-width tensors, so loads zero-fill the missing columns (S is exact, O's padded
 columns come out zero) and stores clip them; the ragged-tile register store masks them. At d192 the
 S product skips the all-zero last 64 columns. d64/d128/d256 compile to the same code as before.
+
+attn_bias (BIAS): each consumer warpgroup loads its rows of a block's bias while that block's S is in
+flight and adds it in the softmax (scores.attn_bias_tile); with it, a row may see only -inf in any
+block, so the softmax guards its max as masked blocks do.
 """
 
 from triton.experimental import gluon
@@ -194,8 +198,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, score, bias,
                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr,
-                   s_layout: gl.constexpr,
-                   ROW_SUM_MMA: gl.constexpr):
+                   s_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Online-softmax update for one score block (keys from start_n). Returns (p, alpha, m_new,
     l_new); m is in scaled log2 units so p = exp2(s * scale - m) is one FMA + exp2. ROW_SUM_MMA: l
     is the tensor cores' (see _consume) and comes back as it came. MASK: keys past the ragged end
@@ -203,7 +206,7 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
     (LOCAL) outside the row's band, count as -inf. score: (ALiBi slope, softcap scale, softcap,
     window left, window right, relative-bias row, its distance, the slice's first row, attn_bias's row
     pointers) of SOFTCAP / ALIBI / LOCAL / REL_BIAS / BIAS (scores.py). bias: with BIAS, the block's
-    attn_bias tile as loaded (scores.attn_bias_tile, a block ahead), else 0."""
+    attn_bias tile as loaded (scores.attn_bias_tile, while S was in flight), else 0."""
     slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0, bias_rows = score
     offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS
@@ -348,7 +351,6 @@ def _block_bias(score, start_n, seqlen_k, BLOCK_N: gl.constexpr, MASK: gl.conste
     else:
         bias = 0
     return bias
-
 
 
 @gluon.jit
@@ -536,8 +538,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
         l_h = gl.convert_layout(l_i, h_rows)
     p, alpha, m_h, l_h = _softmax_block(s, m_h, l_h, gl.convert_layout(rows, h_rows), j * BLOCK_N, seqlen_k, diag,
                                         qk_scale_log2, half_score, bias, HALF, True, CAUSAL, False, SOFTCAP, ALIBI,
-                                        REL_BIAS, BIAS, h_layout,
-                                        ROW_SUM_MMA)
+                                        REL_BIAS, BIAS, h_layout, ROW_SUM_MMA)
     if ROW_SUM_MMA:
         acc, l_i, _, _ = warpgroup_mma_wait(0, deps=[o_tok, l_tok, p_op, v_prev])
         l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout)), 1)
@@ -704,14 +705,12 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
             m_i, l_i, free_start, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
             BLOCK_N, NUM_STAGES, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
-            SKIP_LAST_CHUNK,
-            ROW_SUM_MMA)
+            SKIP_LAST_CHUNK, ROW_SUM_MMA)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
             m_i, l_i, split, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
             BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
-            SKIP_LAST_CHUNK,
-            ROW_SUM_MMA)
+            SKIP_LAST_CHUNK, ROW_SUM_MMA)
 
         if TRIM_DIAGONAL:
             if n_wide < n_total:
@@ -719,8 +718,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                     q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
                     other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
                     CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, PERSISTENT,
-                    ROW_SUM_MMA,
-                    p_layout)
+                    ROW_SUM_MMA, p_layout)
             else:
                 acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
                                   n_total, kv0, turn0, CONSUMER, BLOCK_N, NUM_STAGES, PINGPONG, PERSISTENT,
