@@ -162,9 +162,9 @@ def test_qkvpacked():
 
 
 def test_explain_names_attn_bias():
-    """On sm90 the Hopper forward reads a 16-bit bias that varies along the keys at head dims 65 to 128;
-    the backward (and a bias constant along the keys, one beside a mask_mod, a float32 one, or head dim
-    64) stays on the portable kernels, and says why."""
+    """On sm90 the Hopper forward reads a 16-bit bias that varies along the keys at head dims 65 to 128,
+    on dense batches; the backward (and a bias constant along the keys, one beside a mask_mod, a float32
+    one, head dim 64, or packed sequences) stays on the portable kernels, and says why."""
     q, k, v = make_qkv(1, 64, 64, 2, 2, 128, DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0))
     assert explanation.forward.path == "hopper", explanation.forward.reason
@@ -177,6 +177,11 @@ def test_explain_names_attn_bias():
     explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), torch.float32),
                                     device_capability=(9, 0))
     assert explanation.forward.path == "portable" and "bfloat16" in explanation.forward.reason
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32, device=DEVICE)
+    explanation = flashtile.explain(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34,
+                                    max_seqlen_k=34, attn_bias=_bias((2, 2, 34, 34), DTYPES[0]),
+                                    device_capability=(9, 0))
+    assert explanation.forward.path == "portable" and "packed" in explanation.forward.reason
     q, k, v = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0))
     assert explanation.forward.path == "portable" and "65 to 128" in explanation.forward.reason

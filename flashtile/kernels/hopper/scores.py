@@ -106,8 +106,9 @@ def attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS: g
 @gluon.jit
 def attn_bias_rows(bias_head, rows, seqlen_q, stride_bias_m):
     """Pointers to the attn_bias rows of query rows ``rows`` (bias_head: the (batch, head)'s (0, 0)
-    element). Rows past the sequence read its last row: their scores are discarded."""
-    return bias_head + gl.minimum(rows, seqlen_q - 1).to(gl.int64) * stride_bias_m
+    element). Rows past the sequence read its last row (or the first, in a sequence that uses none):
+    their scores are discarded."""
+    return bias_head + gl.minimum(rows, gl.maximum(seqlen_q - 1, 0)).to(gl.int64) * stride_bias_m
 
 
 @gluon.jit
