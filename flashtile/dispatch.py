@@ -216,6 +216,9 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
     if out.numel() == 0:
         return None
     if params.mods is not None:  # no plan is kept: the mods' tensors are bound into the launch
+        if decode_route(q, k, params, seqs) is not None:
+            _forward_plan(q, k, v, out, lse, params, seqs)(q, k, v, out, lse, params, seqs)
+            return None
         gluon_cfg = _gluon_forward_config(q, k, v, out, params, seqs)
         if gluon_cfg is not None:  # a relative-bias table alone
             _gluon_forward_plan(q, k, v, out, lse, params, seqs, gluon_cfg)(q, k, v, out, lse, params, seqs)
@@ -233,11 +236,12 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
 
 def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[str]:
     """Why a call runs as decoding (DecodeForward), or None. The rule: at most DECODE_MAX_ROWS query
-    rows per sequence (decoding, speculative decoding), dense or packed, keys present, no dropout.
-    Such calls spend their time streaming K and V, which a 128-row Hopper tile would read with most
-    of its rows idle; the decode kernel's 16-row tiles, GQA heads as rows and split-KV keep every
-    multiprocessor reading."""
-    if params.dropout_p > 0.0 or k.shape[1] == 0 or params.mods is not None:
+    rows per sequence (decoding, speculative decoding), dense or packed, keys present, no dropout, no
+    block mask (its lists follow its own tiles, not the decode kernel's). Such calls spend their time
+    streaming K and V, which a 128-row Hopper tile would read with most of its rows idle; the decode
+    kernel's 16-row tiles, GQA heads as rows and split-KV keep every multiprocessor reading. Score and
+    mask mods keep each query head on its own rows (a mod sees query heads)."""
+    if params.dropout_p > 0.0 or k.shape[1] == 0 or (params.mods is not None and params.mods.block_mask is not None):
         return None
     if seqs is None:
         rows = q.shape[1]
@@ -254,8 +258,10 @@ def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optio
 def options_allow_heads_as_rows(params: ScoreParams) -> bool:
     """Whether a call's options let the query heads of a GQA group run as the rows of their kv head
     (given one query per sequence, which sees every key whatever the right side of the window): no
-    left window, no ALiBi and no learnable sink (the kernels read both per head, not per row)."""
-    return params.window_left < 0 and params.alibi_slopes is None and params.learnable_sink is None
+    left window, no ALiBi and no learnable sink (the kernels read both per head, not per row), and no
+    score or mask mods (they see query heads and rows)."""
+    return (params.window_left < 0 and params.alibi_slopes is None and params.learnable_sink is None
+            and params.mods is None)
 
 
 def _rows_from_heads(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> bool:
@@ -275,7 +281,8 @@ def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tupl
     fit one, the prefill tile above (16 rows x 4 heads: one 128-row tile, not four)."""
     rows = q.shape[1] if seqs is None else seqs.max_seqlen_q
     group = q.shape[2] // k.shape[2]
-    pack = not _rows_from_heads(q, k, params, seqs) and group > 1 and params.alibi_slopes is None
+    pack = (not _rows_from_heads(q, k, params, seqs) and group > 1 and params.alibi_slopes is None
+            and params.mods is None)
     return (FWD_DECODE if rows * (group if pack else 1) <= DECODE_MAX_ROWS else FWD), pack
 
 

@@ -5,6 +5,8 @@ them), with splits forced where the interpreter would not choose them."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashtile
 from flashtile import dispatch
@@ -95,3 +97,50 @@ def test_forced_splits(packed, nheads_k):
     same_dtype, _ = attention_naive(q, k, v, softmax_scale=0.125, causal=True, dtype=None)
     assert (out.double() - ref).abs().max().item() <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4
     assert torch.allclose(got_lse.double(), ref_lse, atol=1e-4)
+
+
+@triton.jit
+def _key_slope(score, b, h, q_idx, kv_idx, aux):
+    return score - tl.load(aux[0] + h) * kv_idx.to(tl.float32) * 0.01 + q_idx.to(tl.float32) * 0.1
+
+
+@triton.jit
+def _every_third_key_off(b, h, q_idx, kv_idx, aux):
+    return ((kv_idx + h + b) % 3) != 0
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mods_on_the_decode_route(seqlen_q, num_splits):
+    """Score and mask mods on decode-shaped calls: the decode kernels and split-KV, each query head on
+    its own rows (no heads as rows, no packed GQA tiles: a mod sees query heads and rows)."""
+    batch, nheads, nheads_k, seqlen_k = 2, 8, 2, 500
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 64, DTYPES[0], requires_grad=False)
+    w = torch.rand(nheads, device=DEVICE)
+    mods = flashtile.mods.resolve_mods(_key_slope, None, _every_third_key_off, [w], None, batch, nheads, seqlen_q,
+                                       seqlen_k, q.device)
+    params = ScoreParams(softmax_scale=0.125, window_right=0, mods=mods)
+    assert dispatch.decode_route(q, k, params, None) is not None
+    assert dispatch.decode_kernel(q, k, params, None)[1] is False  # no packed GQA tiles
+
+    def score_twin(s, b, h, i, j):
+        return s - w.to(s.dtype)[h] * j.to(s.dtype) * 0.01 + i.to(s.dtype) * 0.1
+
+    def mask_twin(b, h, i, j):
+        return ((j + h + b) % 3) != 0
+    ref, ref_lse = attention_naive(q, k, v, softmax_scale=0.125, causal=True, score_mod=score_twin,
+                                   mask_mod=mask_twin)
+    same_dtype, _ = attention_naive(q, k, v, softmax_scale=0.125, causal=True, score_mod=score_twin,
+                                    mask_mod=mask_twin, dtype=None)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, nheads, seqlen_q), float("nan"), device=DEVICE)
+    plan = dispatch.DecodeForward(q, k, v, out, lse, params, None, num_splits=num_splits)
+    plan(q, k, v, out, lse, params, None)
+    assert (out.double() - ref).abs().max().item() <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+    # The public call takes the same route.
+    public, public_lse, _ = flashtile.flash_attn_func(q, k, v, softmax_scale=0.125, causal=True, score_mod=_key_slope,
+                                                      mask_mod=_every_third_key_off, aux_tensors=[w],
+                                                      return_attn_probs=True)
+    assert (public.double() - ref).abs().max().item() <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4
+    assert torch.allclose(public_lse.double(), ref_lse, atol=1e-4)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 import flashtile
+from flashtile.configs import DECODE_MAX_ROWS
 from flashtile.reference import attention_naive, attention_varlen_naive
 from flashtile.testing import check_errors, check_lse, reference_errors
 
@@ -247,13 +248,17 @@ def test_relative_bias_in_the_hopper_forward(seqlens, head_dim, max_distance, op
     """mods.relative_bias alone runs in the Hopper kernels (a tile farther than D from every row adds
     one entry of the table, the rest gather), with flash_attn's options beside it; the backward at
     head dims above 128 on the portable kernels. GQA, lengths that are not multiples of the tiles,
-    and seqlen_q != seqlen_k (the table reads raw positions, not bottom-right ones)."""
+    and seqlen_q != seqlen_k (the table reads raw positions, not bottom-right ones). A decode-shaped
+    forward (a few query rows) takes the decode kernels instead."""
     dtype = DTYPES[-1] if ON_GPU else DTYPES[0]
     q, k, v = make_qkv(2, *seqlens, 4, 2, head_dim, dtype)
     table = randn(4, 2 * max_distance + 1, dtype=torch.float32)
     mod = flashtile.mods.relative_bias(table)
     explanation = flashtile.explain(q, k, v, score_mod=mod, device_capability=(9, 0), **options)
-    assert explanation.forward.path == "hopper", explanation.forward.reason
+    if seqlens[0] <= DECODE_MAX_ROWS:
+        assert explanation.forward.path == "portable" and "query row" in explanation.forward.reason
+    else:
+        assert explanation.forward.path == "hopper", explanation.forward.reason
     if head_dim <= 128:
         assert explanation.backward.path == "hopper", explanation.backward.reason
     else:
