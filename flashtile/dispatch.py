@@ -28,6 +28,7 @@ from .kernels.plans import enabled as plans_enabled
 from .kernels.portable.launch import (PortableBackward, PortableForward, SplitForward, forward_kernel,
                                       kvcache_update_plan, launch_forward, launch_preprocess, portable_bwd_call,
                                       portable_bwd_tensors, row_stats_buffers)
+from .kernels.portable import mods as builtin
 from .kernels.portable.launch import attention_probs as portable_attention_probs
 from .options import Mods, PackedSeqs, ScoreParams, grid_lengths
 from .runtime import arch_of, device_capability, empty_allocator, multiprocessor_count, portable_only, validate_enabled
@@ -69,8 +70,8 @@ def _score_options(params: ScoreParams) -> list:
 
 def hopper_takes(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     """Whether the Hopper kernel ``kernel`` computes these score options: anything but dropout (and a
-    scale <= 0) and mods (but for a relative-bias table alone: mods.relative_bias; and in the forward at
-    head dims 65 to 128, attn_bias alone), except that the backward's head-dim-256 kernel (head dims
+    scale <= 0) and mods (but for a relative-bias table alone: mods.relative_bias; and at head dims 65 to
+    128, attn_bias alone), except that the backward's head-dim-256 kernel (head dims
     above 128) takes no softcap, ALiBi, window or table."""
     if params.dropout_p > 0.0 or params.softmax_scale <= 0 or not _hopper_takes_mods(kernel, params, head_dim):
         return False
@@ -81,13 +82,18 @@ def _hopper_takes_mods(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     mods = params.mods
     if mods is None or mods.relative_bias_table is not None:
         return True
-    # attn_bias alone, 16-bit, varying along the keys (one along the queries only changes no probability),
-    # in the forward, whose consumers load it beside the scores (kernels/hopper/scores.attn_bias_tile). At
+    # attn_bias alone, 16-bit, varying along the keys (one along the queries only changes no probability):
+    # the consumers load it beside the scores (kernels/hopper/scores.attn_bias_tile, attn_bias_tile_t). At
     # head dim 64 the portable forward was the faster (docs/experiments.md), 256 is unmeasured, and a
-    # float32 bias's tiles overflow shared memory on their way into the scores' layout.
+    # float32 bias's tiles overflow shared memory on their way into the scores' layout. The backward
+    # writes the bias's gradient when it varies along queries and keys (stored, or added up over the
+    # batch and heads); one summed along either axis stays portable.
     bias = mods.attn_bias
-    return (kernel == FWD_GLUON and bias is not None and mods.mask_mod is None and mods.block_mask is None
-            and bias.read.shape[-1] > 1 and bias.read.element_size() == 2 and padded_head_dim(head_dim) == 128)
+    if (bias is None or mods.mask_mod is not None or mods.block_mask is not None or bias.read.shape[-1] == 1
+            or bias.read.element_size() != 2 or padded_head_dim(head_dim) != 128):
+        return False
+    return kernel == FWD_GLUON or mods.dq_score_mod_bwd in (None, builtin.attn_bias_grad_store,
+                                                            builtin.attn_bias_grad)
 
 
 def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
@@ -98,12 +104,13 @@ def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
     if params.softmax_scale <= 0:
         return f"softmax_scale={params.softmax_scale} <= 0: the Hopper kernels take positive scales"
     if not _hopper_takes_mods(kernel, params, head_dim):
-        if kernel == BWD_GLUON and params.mods.attn_bias is not None:
-            return ("attn_bias: the Hopper backward does not read a bias (the Hopper forward does, a 16-bit one "
-                    "at head dims 65 to 128); the portable backward computes the gradients and the bias's")
+        if (kernel == BWD_GLUON and params.mods.attn_bias is not None
+                and _hopper_takes_mods(FWD_GLUON, params, head_dim)):
+            return ("attn_bias's gradient summed along the queries or the keys (the bias broadcasts along one): "
+                    "the Hopper backward writes gradients that vary along both; the portable backward computes it")
         return (f"{' and '.join(params.mods.names())}: the Hopper kernels take no user mods (the portable ones do; "
-                "the Hopper kernels take mods.relative_bias alone, and the forward attn_bias alone: float16 or "
-                "bfloat16, varying along the keys, at head dims 65 to 128)")
+                "the Hopper kernels take mods.relative_bias alone, and attn_bias alone: float16 or bfloat16, "
+                "varying along the keys, at head dims 65 to 128)")
     return (f"{' and '.join(_score_options(params))} at head dim {head_dim}: the Hopper backward takes score "
             "options at head dims up to 128 (its head-dim-256 kernel takes plain or causal attention only)")
 
@@ -145,7 +152,7 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
     if seqs is not None and params.mods is not None and params.mods.attn_bias is not None:
         # The kernel indexes a packed call's bias per sequence as a dense batch's, but only dense calls have
         # been checked on a GPU; packed ones wait for that.
-        return None, "attn_bias on packed sequences: the Hopper forward reads attn_bias on dense batches only"
+        return None, "attn_bias on packed sequences: the Hopper kernels read attn_bias on dense batches only"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
         return None, "a side without cu_seqlens (the decode layout): the Hopper kernels read packed sequences only"
     if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):
@@ -536,6 +543,9 @@ def _gluon_backward(q, k, v, out, dout, lse, dq, dk, dv, params: ScoreParams, gl
     # a few heads at a time so that buffer stays small next to the inputs and gradients.
     nheads, nheads_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
     chunks = gluon_head_chunks(q.shape[0], q.shape[1], nheads, nheads_k, head_dim)
+    if params.mods is not None and params.mods.attn_bias is not None:
+        # One launch: next to an O(seqlen^2) bias the dQ accumulator is small (the chunks slice no bias).
+        chunks = [(0, nheads, 0, nheads_k)]
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
     for h0, h1, hk0, hk1 in chunks:
         chunk_params, chunk_dsink = params, dsink

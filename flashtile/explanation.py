@@ -217,6 +217,10 @@ def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -
 
 def _backward_choice(q, k, v, params, seqs, deterministic: bool, arch: str, hypothetical_capability) -> PathChoice:
     """attention_backward's choice (kernels/launch.py)."""
+    bias = None if params.mods is None else params.mods.attn_bias
+    if bias is not None and bias.tensor.requires_grad:
+        # The backward's mods write the bias's gradient (AttnBias.backward_mods; its buffer is not needed here).
+        params = dataclasses.replace(params, mods=dataclasses.replace(params.mods, dq_score_mod_bwd=bias.grad_fn))
     gluon_cfg, reason = gluon_decision(BWD_GLUON, q, k, v, params, seqs, deterministic=bool(deterministic),
                                        device_capability=hypothetical_capability, warn=False)
     if gluon_cfg is not None:

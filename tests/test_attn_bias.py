@@ -162,13 +162,21 @@ def test_qkvpacked():
 
 
 def test_explain_names_attn_bias():
-    """On sm90 the Hopper forward reads a 16-bit bias that varies along the keys at head dims 65 to 128,
-    on dense batches; the backward (and a bias constant along the keys, one beside a mask_mod, a float32
-    one, head dim 64, or packed sequences) stays on the portable kernels, and says why."""
+    """On sm90 the Hopper kernels read a 16-bit bias that varies along the keys at head dims 65 to 128,
+    on dense batches, and the backward writes its gradient when that varies along queries and keys; a
+    gradient summed along the queries (and a bias constant along the keys, one beside a mask_mod, a
+    float32 one, head dim 64, or packed sequences) stays on the portable kernels, and says why."""
     q, k, v = make_qkv(1, 64, 64, 2, 2, 128, DTYPES[0], requires_grad=False)
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0))
+    for shape in ((1, 2, 64, 64), (64, 64)):
+        explanation = flashtile.explain(q, k, v, attn_bias=_bias(shape, DTYPES[0]), device_capability=(9, 0))
+        assert explanation.forward.path == "hopper", explanation.forward.reason
+        assert explanation.backward.path == "hopper", explanation.backward.reason
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((2, 1, 64), DTYPES[0]), device_capability=(9, 0))
     assert explanation.forward.path == "hopper", explanation.forward.reason
-    assert explanation.backward.path == "portable" and "attn_bias" in explanation.backward.reason
+    assert explanation.backward.path == "portable" and "summed along the queries" in explanation.backward.reason
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((2, 1, 64), DTYPES[0], requires_grad=False),
+                                    device_capability=(9, 0))
+    assert explanation.backward.path == "hopper", explanation.backward.reason
     explanation = flashtile.explain(q, k, v, attn_bias=_bias((64, 1)), device_capability=(9, 0))
     assert explanation.forward.path == "portable" and "attn_bias" in explanation.forward.reason
     explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0),
@@ -187,16 +195,20 @@ def test_explain_names_attn_bias():
     assert explanation.forward.path == "portable" and "65 to 128" in explanation.forward.reason
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Hopper forward: compiled on sm90")
+@pytest.mark.skipif(not ON_GPU, reason="the Hopper kernels: compiled on sm90")
 @pytest.mark.parametrize("head_dim", [128, 96, 64])
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("options", ["causal", "full", "window-softcap-alibi", "gqa-sink"])
-def test_hopper_forward(head_dim, bias_dtype, options):
-    """The Hopper forward adding a 16-bit bias at head dims 65 to 128 (asked of flashtile.explain first, so
-    a bias that leaves it fails here; head dim 64 and float32 biases stay portable): odd lengths, every
-    option beside it, -inf in the bias, and a row with no key left (out 0, lse -inf, or the sink's
-    logit)."""
-    sq, sk = (1023, 1023) if options != "full" else (113, 1500)
+def test_hopper_kernels(head_dim, bias_dtype, options):
+    """The Hopper forward and backward adding a 16-bit bias at head dims 65 to 128 (asked of
+    flashtile.explain first, so a bias that leaves them fails here; head dim 64 and float32 biases stay
+    portable), the backward storing the gradient of a full-shape bias and adding up that of one
+    shared by the batch ("full"): odd lengths, every option beside it, -inf in the bias, and a row
+    with no key left (out 0, lse -inf, or the sink's logit)."""
+    # Key counts of 16-byte rows take the backward's TMA ring of bias tiles (causal, gqa-sink), the others
+    # its loads from global memory, as does softcap with the bias's gradient.
+    sq, sk = {"causal": (1023, 1024), "full": (113, 1500), "window-softcap-alibi": (1023, 1023),
+              "gqa-sink": (1000, 1000)}[options]
     q, k, v = make_qkv(2, sq, sk, 4, 2 if options == "gqa-sink" else 4, head_dim, torch.bfloat16)
     kwargs = dict(causal=options in ("causal", "gqa-sink"))
     if options == "window-softcap-alibi":
@@ -211,6 +223,7 @@ def test_hopper_forward(head_dim, bias_dtype, options):
     explanation = flashtile.explain(q, k, v, attn_bias=bias, **kwargs)
     hopper = head_dim > 64 and bias_dtype != torch.float32
     assert explanation.forward.path == ("hopper" if hopper else "portable"), explanation.forward.reason
+    assert explanation.backward.path == ("hopper" if hopper else "portable"), explanation.backward.reason
     errors, lse, ref_lse = call_errors(flashtile.flash_attn_func, q, k, v, attn_bias=bias, **kwargs)
     check_errors(errors, q.dtype)
     check_lse(lse, ref_lse)

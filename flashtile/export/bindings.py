@@ -205,10 +205,12 @@ def gluon_backward(cfg: GluonBwdConfig, causal: bool, varlen: bool, head_dim: in
     if cfg.overlap_convert and not varlen:
         params["done_counts"] = Pointer("counts")
     if block_d != 256:
-        # The C library's Hopper backward takes no window, softcap, ALiBi (their entries are portable) or
-        # relative-bias table.
+        # The C library's Hopper backward takes no window, softcap, ALiBi (their entries are portable),
+        # relative-bias table or attn_bias.
         params.update({"window_left": "0", "window_right": "0", "softcap_scale": ("float", "0.0"),
-                       "softcap_log2": ("float", "0.0"), "stride_alibi_b": "0", "rel_bias_distance": "0"})
+                       "softcap_log2": ("float", "0.0"), "stride_alibi_b": "0", "rel_bias_distance": "0",
+                       **{f"stride_{name}_{dim}": "0" for name in ("bias", "grad") for dim in "bhm"},
+                       "bias_batches": "1", "bias_heads": "1"})
     kernel = "gluon_attn_bwd_d256_kernel" if block_d == 256 else "gluon_attn_bwd_kernel"
     return Binding(kernel, grid, params)
 

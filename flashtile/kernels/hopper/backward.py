@@ -29,6 +29,13 @@ Causal: a key block only visits the query blocks that see it; only those on the 
 ragged key block) pay for the mask. Rows past seqlen_q need no mask: TMA zero-fills Q, dO and
 lse loads as +inf, so their P is exactly 0; the reduce-add and the dK/dV stores clip.
 
+attn_bias (dense batches): added to S^T like the other score options. When TMA can address the bias,
+the loader brings each (query block x key block) tile of it through the Q / dO ring (a slot's ready
+barrier counts its bytes; TMA zero-fills rows and keys past the bias), and each warpgroup reads its
+keys' half; otherwise each warpgroup loads its tile from global memory. Its gradient is dS^T: after
+publishing dS^T for dQ, a warpgroup reads it back along the keys and stores it, or adds it with float32
+atomics into a buffer that sums over the bias's broadcast batch and heads (scores.attn_bias_grad_t).
+
 Varlen (IS_VARLEN, flash_attn_varlen_func's packed layout): the host passes the packed tensors as
 batch-1 views (1, total, h, d), so the same descriptors serve; the grid's third axis is the
 sequence, the first covers its longest key range, and every partition reads the sequence's
@@ -69,8 +76,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import VERSION, barrier, reinterpret, tma_load, tma_reduce_add, tma_store
 from .block_info import query_block_range
-from .scores import (LOG2E, alibi_slope_log2, modded_scores_log2, relative_bias_far_entry, relative_bias_log2,
-                     relative_bias_row)
+from .scores import (LOG2E, alibi_slope_log2, attn_bias_grad_t, attn_bias_head, attn_bias_log2, attn_bias_tile_t,
+                     modded_scores_log2, relative_bias_far_entry, relative_bias_log2, relative_bias_row)
 from .seqlen_info import backward_sequence
 
 # wgmma's M per warpgroup: each consumer warpgroup owns this many keys.
@@ -195,9 +202,12 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
                  lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
                  k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
                  BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-                 it0=0, LOCAL: gl.constexpr = False, window_left=0, window_right=0):
+                 it0=0, LOCAL: gl.constexpr = False, window_left=0, window_right=0, bias_desc=None, bias_smem=None,
+                 bias_batches=1, bias_heads=1):
     """K, V of the key block at start_n, then the Q, dO (lse, delta) tiles of every query block that
-    sees it through the ring, from ring position it0 on; returns the position after the last."""
+    sees it through the ring, from ring position it0 on; returns the position after the last. With
+    bias_desc, each slot also takes the (query block x key block) tile of attn_bias (bias_batches,
+    bias_heads: its batch and head dims, 1 where it broadcasts)."""
     NKV: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = NKV * _KPC
     mbarrier.expect(kv_ready, NKV * (kv_desc_k.block_type.nbytes + kv_desc_v.block_type.nbytes))
@@ -219,6 +229,11 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
     else:
         q_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                  + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    BIAS_TMA: gl.constexpr = bias_desc is not None
+    if BIAS_TMA:
+        slot_bytes: gl.constexpr = q_bytes + bias_desc.block_type.nbytes
+    else:
+        slot_bytes: gl.constexpr = q_bytes
     it = it0
     for g in range(head_group):
         head = kv_head * head_group + g
@@ -243,7 +258,7 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
                 delta_smem.index(slot).store(delta)
                 # Every lane's stores precede the (one-thread, release) arrive below.
                 barrier()
-            mbarrier.expect(q_ready.index(slot), q_bytes)
+            mbarrier.expect(q_ready.index(slot), slot_bytes)
             tma_load(q_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
                                             q_smem.index(slot))
             tma_load(do_desc, [tma_batch, q_start + m * BLOCK_M, head, 0], q_ready.index(slot),
@@ -253,6 +268,9 @@ def _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_
                                                 lse_smem.index(slot))
                 tma_load(delta_desc, [row_base + m * BLOCK_M], q_ready.index(slot),
                                                 delta_smem.index(slot))
+            if BIAS_TMA:
+                tma_load(bias_desc, [batch % bias_batches, head % bias_heads, m * BLOCK_M, start_n],
+                         q_ready.index(slot), bias_smem.index(slot))
             it += 1
     return it
 
@@ -262,7 +280,8 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
             lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
             cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored, window_left, window_right,
             BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HEADS_FIRST: gl.constexpr, LOCAL: gl.constexpr):
+            HEADS_FIRST: gl.constexpr, LOCAL: gl.constexpr, bias_desc=None, bias_smem=None, bias_batches=1,
+            bias_heads=1):
     # The key block is k_smem.shape[0] tiles of 64 keys (2 at d64/d128, 1 at d256).
     NKV: gl.constexpr = k_smem.shape[0]
     BN: gl.constexpr = NKV * _KPC
@@ -284,7 +303,8 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
         _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                      lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
                      k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride, lse_ptr, delta_ptr,
-                     BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, 0, LOCAL, window_left, window_right)
+                     BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, 0, LOCAL, window_left, window_right, bias_desc,
+                     bias_smem, bias_batches, bias_heads)
         if done_counts is not None:
             _count_cta_done(done_counts, stored, kv_head, HEADS_FIRST)
 
@@ -374,12 +394,14 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, tma_batch, q_row, head, CONSUMER: gl.co
 
 
 @gluon.jit
-def _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, BLOCK_M: gl.constexpr,
-                          MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
-                          ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, col_layout: gl.constexpr):
+def _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, bias,
+                          BLOCK_M: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                          SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr,
+                          col_layout: gl.constexpr):
     """(P^T, t) of a block of raw S^T (keys along rows) with the score options (scores.py; t: softcap's
-    tanh, for its derivative), masked when MASK."""
-    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance = score
+    tanh, for its derivative), masked when MASK. bias: with BIAS, the block's attn_bias tile as loaded
+    (scores.attn_bias_tile_t)."""
+    slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, _bias = score
     KEYS: gl.constexpr = s.shape[0]
     # query + diag - key, for ALiBi's distance.
     offset = gl.expand_dims(start_m + diag + gl.arange(0, BLOCK_M, layout=col_layout), 0) - gl.expand_dims(keys, 1)
@@ -388,6 +410,8 @@ def _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_
         queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         entry = relative_bias_far_entry(key0 - (start_m + BLOCK_M - 1), key0 + (KEYS - 1) - start_m, rel_distance)
         s = relative_bias_log2(s, gl.expand_dims(keys, 1), gl.expand_dims(queries, 0), entry, rel_row, rel_distance)
+    if BIAS:
+        s = s + attn_bias_log2(bias)
     s = s - gl.expand_dims(lse, 0)
     if MASK:
         s = _mask_keys(s, keys, start_m, seqlen_k, diag, BLOCK_M, CAUSAL, col_layout, LOCAL, window_left, window_right)
@@ -402,7 +426,8 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                   MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
                   s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, first_it=0,
                   OPAQUE_KV: gl.constexpr = False, score=None, LOCAL: gl.constexpr = False,
-                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, REL_BIAS: gl.constexpr = False):
+                  SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, REL_BIAS: gl.constexpr = False,
+                  BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0, bias_smem=None):
     """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, and reduce-add the dQ
     of the block before each (its dS^T halves are in shared memory by then: the warpgroups need
     not meet every block, so one's elementwise phase can overlap the other's wgmmas). prev_row,
@@ -410,9 +435,12 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     ring position of the key block's first query block (a persistent CTA's key blocks continue the
     ring and the dS^T buffers' phases). OPAQUE_KV: index the K, V tiles with _opaque_zero.
     score: (ALiBi slope, softcap scale, softcap, window left, window right, relative-bias row, its
-    distance) of SOFTCAP / ALIBI / LOCAL / REL_BIAS (scores.py; the forward's _softmax_block takes
-    the same). With softcap, ALiBi or the relative bias the scores are formed from the raw S^T (the
-    accumulator starts at 0, not -lse) and masked after the options."""
+    distance, attn_bias) of SOFTCAP / ALIBI / LOCAL / REL_BIAS / BIAS (scores.py; the forward's
+    _softmax_block takes the same); attn_bias is (the (batch, head)'s first bias element, the bias's
+    query stride, the same of its gradient's buffer), whose BIAS_GRAD (scores.attn_bias_grad_t) says
+    how dS^T goes into it; with bias_smem, the bias tiles come through the Q / dO ring instead. With
+    softcap, ALiBi or a bias the scores are formed from the raw S^T (the accumulator starts at 0, not
+    -lse) and masked after the options."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     dtype: gl.constexpr = k_smem.dtype
     diag = seqlen_k - seqlen_q
@@ -421,11 +449,12 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse_to_score = 1.0 / qk_scale_log2
-    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS
+    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS
     # The relative bias alone, on unmasked blocks: those beyond its distance take one table entry.
     FAR_BIAS_FOLDS: gl.constexpr = REL_BIAS and not (SOFTCAP or ALIBI or MASK)
     if LOCAL or MODDED:
-        slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance = score
+        slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, attn_bias = score
+        bias_head, stride_bias_m, grad_head, stride_grad_m = attn_bias
     else:
         window_left = 0
         window_right = 0
@@ -474,6 +503,16 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         dp_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(delta, 0)
         s_tok = warpgroup_mma(k_cur, q_buf.permute([1, 0]), s_init, is_async=True)
         dp_tok = warpgroup_mma(v_cur, do_buf.permute([1, 0]), dp_init, is_async=True)
+        bias = 0
+        if BIAS:
+            # Read while both products are in flight: this warpgroup's keys of the slot's tile (TMA zero-fills
+            # rows and keys past the bias), or loaded from global memory.
+            if bias_smem is not None:
+                bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
+                bias = bias_tile.permute([1, 0]).load(s_layout)
+            else:
+                bias = attn_bias_tile_t(bias_head, stride_bias_m, key0, start_m, seqlen_q, seqlen_k, _KPC, BLOCK_M,
+                                        MASK, s_layout)
 
         # P^T while dP^T is still in flight.
         s, _, _ = warpgroup_mma_wait(1, deps=[s_tok, k_cur, q_buf])
@@ -481,11 +520,11 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
             if entry >= 0:
                 p = gl.exp2(s * qk_scale_log2)
             else:
-                p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, BLOCK_M,
-                                             MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, col_layout)
+                p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, bias,
+                                             BLOCK_M, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, col_layout)
         elif MODDED:
-            p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, BLOCK_M,
-                                         MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, col_layout)
+            p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, bias,
+                                         BLOCK_M, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, col_layout)
         else:
             p = gl.exp2(s * qk_scale_log2)
         # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in
@@ -493,6 +532,8 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_cur, do_buf])
         ds = p * dp_minus_delta
         if SOFTCAP:
+            if BIAS_GRAD != 0:
+                ds_bias = ds.to(dtype)  # the bias adds to the capped score: dS^T before softcap's derivative
             ds = ds * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
         ds = ds.to(dtype)
         p_op = gl.convert_layout(p.to(dtype), a_layout)
@@ -505,6 +546,15 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         ds_smem.index(buf * _NC + CONSUMER).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(buf))
+        if BIAS_GRAD != 0:
+            # attn_bias's gradient, while dV and dK run: dS^T as just published (read back along the keys),
+            # or with softcap the one before its derivative (moved through scratch shared memory).
+            if SOFTCAP:
+                attn_bias_grad_t(ds_bias, grad_head, stride_grad_m, key0, start_m, seqlen_q, seqlen_k, MASK,
+                                 BIAS_GRAD)
+            else:
+                attn_bias_grad_t(ds_smem.index(buf * _NC + CONSUMER), grad_head, stride_grad_m, key0, start_m,
+                                 seqlen_q, seqlen_k, MASK, BIAS_GRAD, True)
 
         if it > first_it:
             # dQ of the previous block, whose halves are both in by now (the other warpgroup
@@ -531,6 +581,25 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
 
 
 @gluon.jit
+def _attn_bias_heads(attn_bias, bias_grad, batch, head, BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
+    """(bias's first element of (batch, head), its query stride, the same of the gradient's buffer)
+    from the (tensor, batch stride, head stride, query stride) tuples (0 for what is absent)."""
+    if BIAS:
+        bias, stride_b, stride_h, stride_m = attn_bias
+        bias_head = attn_bias_head(bias, stride_b, stride_h, batch, head, bias is not None)
+        if BIAS_GRAD != 0:
+            grad, grad_stride_b, grad_stride_h, grad_stride_m = bias_grad
+            grad_head = attn_bias_head(grad, grad_stride_b, grad_stride_h, batch, head, True)
+        else:
+            grad_head = 0
+            grad_stride_m = 0
+        heads = (bias_head, stride_m, grad_head, grad_stride_m)
+    else:
+        heads = (0, 0, 0, 0)
+    return heads
+
+
+@gluon.jit
 def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                   q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc, start_n, kv_head, tma_batch, q_start,
                   k_start, seqlen_q, seqlen_k, head_group, qk_scale_log2, softmax_scale,
@@ -540,11 +609,14 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
                   it0=0, kv_empty=None, batch=0, alibi_slopes=None, stride_alibi_b=0, window_left=0, window_right=0,
                   softcap_scale=0.0, softcap_log2=0.0, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
                   ALIBI: gl.constexpr = False, rel_bias_table=None, rel_bias_distance=0,
-                  REL_BIAS: gl.constexpr = False):
+                  REL_BIAS: gl.constexpr = False, attn_bias=None, bias_grad=None, BIAS: gl.constexpr = False,
+                  BIAS_GRAD: gl.constexpr = 0, bias_smem=None):
     """This warpgroup's share of the key block at start_n: its dK, dV over every query block that
     sees the key block, its share of their dQ. A persistent CTA (kv_empty given) starts at ring
     position it0 with K, V already waited for, and returns the position after its last block.
-    batch (the batch or packed sequence, for ALiBi's (b, h) slopes) onwards: the score options."""
+    batch (the batch or packed sequence, for ALiBi's (b, h) slopes) onwards: the score options;
+    attn_bias, bias_grad: (tensor, batch stride, head stride, query stride) of the bias and of its
+    gradient's buffer (BIAS, BIAS_GRAD); bias_smem: the bias tiles' ring (the tensor is then None)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     DQ_N: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -573,22 +645,25 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
         head = kv_head * head_group + g
         score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
                  window_left, window_right, relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS),
-                 rel_bias_distance)
+                 rel_bias_distance, _attn_bias_heads(attn_bias, bias_grad, batch, head, BIAS, BIAS_GRAD))
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
+            BIAS, BIAS_GRAD, bias_smem)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
+            BIAS, BIAS_GRAD, bias_smem)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
-            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS)
+            s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
+            BIAS, BIAS_GRAD, bias_smem)
 
     if it > it0:
         # dQ of the last query block.
@@ -679,7 +754,8 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
               COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
-              ALIBI: gl.constexpr, rel_bias_table, rel_bias_distance, REL_BIAS: gl.constexpr):
+              ALIBI: gl.constexpr, rel_bias_table, rel_bias_distance, REL_BIAS: gl.constexpr, attn_bias, bias_grad,
+              BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, bias_smem):
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * _BN
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -696,7 +772,8 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                       softmax_scale, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s, stride_dv_h,
                       CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE, 0, None,
                       gl.program_id(2), alibi_slopes, stride_alibi_b, window_left, window_right, softcap_scale,
-                      softcap_log2, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS)
+                      softcap_log2, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS, attn_bias,
+                      bias_grad, BIAS, BIAS_GRAD, bias_smem)
     if COUNT_DONE:
         _warpgroup_writes_landed(stored)
 
@@ -770,9 +847,24 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                           IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, HEADS_FIRST: gl.constexpr,
                           LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
                           window_left=0, window_right=0, softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None,
-                          stride_alibi_b=0, rel_bias_table=None, rel_bias_distance=0):
-    # rel_bias_table: as the forward's (forward.py), or None.
+                          stride_alibi_b=0, rel_bias_table=None, rel_bias_distance=0, attn_bias=None, stride_bias_b=0,
+                          stride_bias_h=0, stride_bias_m=0, bias_grad=None, stride_grad_b=0, stride_grad_h=0,
+                          stride_grad_m=0, BIAS_GRAD: gl.constexpr = 0, bias_desc=None, bias_batches=1,
+                          bias_heads=1):
+    # rel_bias_table, attn_bias: as the forward's (forward.py), or None. bias_grad: the buffer of
+    # attn_bias's gradient, stored into (BIAS_GRAD 1) or added into (2) as scores.attn_bias_grad_t says.
+    # bias_desc: instead of attn_bias, a descriptor of its (batch, head, query, key) view, whose (query
+    # block x key block) tiles come through the Q / dO ring (bias_batches, bias_heads: its batch and head
+    # dims, 1 where it broadcasts).
     REL_BIAS: gl.constexpr = rel_bias_table is not None
+    BIAS: gl.constexpr = attn_bias is not None or bias_desc is not None
+    if bias_desc is not None:
+        bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:
+        bias_smem: gl.constexpr = None
+    bias = (attn_bias, stride_bias_b, stride_bias_h, stride_bias_m)
+    grad = (bias_grad, stride_grad_b, stride_grad_h, stride_grad_m)
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = _shared_buffers(
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, BLOCK_M, NUM_STAGES)
 
@@ -788,18 +880,21 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
                      stride_alibi_b, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS)),
+                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS, bias,
+                     grad, BIAS, BIAS_GRAD, bias_smem)),
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
                      cu_seqlens_q, cu_seqlens_k, seqused_q, dk_ptr, stride_dk_s, stride_dk_h, dv_ptr, stride_dv_s,
                      stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
                      stride_alibi_b, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
-                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS)),
+                     COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS, bias,
+                     grad, BIAS, BIAS_GRAD, bias_smem)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,
-                   window_left, window_right, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST, LOCAL)),
+                   window_left, window_right, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, HEADS_FIRST, LOCAL, bias_desc,
+                   bias_smem, bias_batches, bias_heads)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 # ----------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from ..plans import CompiledCall
 from .backward import (_DQ_N, BLOCK_N, KEYS_PER_CONSUMER, NUM_CONSUMERS, gluon_attn_bwd_d256_kernel,
                        gluon_attn_bwd_kernel, gluon_attn_bwd_persistent_kernel, gluon_bwd_dq_convert_kernel)
 from .forward_plan import band_sides, option_arguments
-from .tma import (DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported, tma_aligned,
-                  values_supported)
+from .tma import (BiasDescriptorTemplate, DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported,
+                  tma_aligned, values_supported)
 
 LOG2E = 1.4426950408889634
 
@@ -126,12 +126,15 @@ class BackwardPlan:
 
     def __init__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, softmax_scale, causal, config, *,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, max_seqlen_k, softcap: float = 0.0,
-                 window_left: int = -1, window_right: int = -1, alibi_slopes=None, rel_bias_table=None):
+                 window_left: int = -1, window_right: int = -1, alibi_slopes=None, rel_bias_table=None,
+                 attn_bias=None, attn_bias_strides=(0, 0, 0), bias_grad=None, bias_grad_strides=(0, 0, 0),
+                 bias_grad_mode: int = 0):
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         cfg = config
         local, window_left, window_right = band_sides(causal, window_left, window_right)
-        options = local or softcap > 0 or alibi_slopes is not None or rel_bias_table is not None
+        options = (local or softcap > 0 or alibi_slopes is not None or rel_bias_table is not None
+                   or attn_bias is not None)
         if options:
             # The score options live in the two-warpgroup kernel (head dims up to 128), not persistent.
             assert padded_head_dim(head_dim) <= 128, "the d256 backward takes no score options"
@@ -174,9 +177,18 @@ class BackwardPlan:
             # The two-warpgroup kernel takes the score options; the head-dim-256 one takes none.
             options_arguments = {}
             self.option_slots = kernel_fn is gluon_attn_bwd_kernel
+            self.bias_template = None
             if self.option_slots:
                 options_arguments = option_arguments(softmax_scale, local, window_left, window_right, softcap,
                                                       alibi_slopes, rel_bias_table)
+                # attn_bias's tiles come through the Q / dO ring when TMA can address it, unless softcap's
+                # gradient needs the scratch shared memory the ring would take.
+                if attn_bias is not None:
+                    template = BiasDescriptorTemplate(attn_bias, attn_bias_strides, cfg.block_m, block_n)
+                    if template.supported and not (softcap > 0 and bias_grad_mode):
+                        self.bias_template = template
+                options_arguments.update(_attn_bias_arguments(attn_bias, attn_bias_strides, bias_grad,
+                                                              bias_grad_strides, bias_grad_mode, self.bias_template))
             self.main = CompiledCall(
                 kernel_fn, grid,
                 (*(None,) * len(self.templates), seqlen_q, seqlen_k, nheads, nheads // nheads_k,
@@ -188,7 +200,8 @@ class BackwardPlan:
                      **options_arguments, **extra),
                 slots=("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc", "lse_desc",
                        "delta_desc", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "lse_ptr", "delta_ptr", "dk_ptr",
-                       "dv_ptr", "done_counts") + (("alibi_slopes", "rel_bias_table") if self.option_slots else ()))
+                       "dv_ptr", "done_counts") + (("alibi_slopes", "rel_bias_table", "attn_bias", "bias_grad",
+                                                    "bias_desc") if self.option_slots else ()))
         # Dense batches may overlap the convert with the kernel's last CTAs (see "The dQ convert
         # overlapped with the kernel's last CTAs"): each CTA counts itself in once.
         self.overlap_convert = cfg.overlap_convert and not varlen and self.main is not None and not self.persistent
@@ -209,11 +222,13 @@ class BackwardPlan:
         return tuple(template(t) for template, t in zip(self.templates, tensors))
 
     def launch(self, descriptors, dq, dk, dv, dq_acc, lse_log2, delta, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_q=None, done_counts=None, alibi_slopes=None, rel_bias_table=None):
+               seqused_q=None, done_counts=None, alibi_slopes=None, rel_bias_table=None, attn_bias=None,
+               bias_grad=None):
         """Runs the backward into dq_acc (zeroed by the caller), dk, dv, then dq <- dq_acc * scale, with
         descriptors from :meth:`descriptors`. done_counts: if needs_counts, the int32 (b, nheads_k)
         counts from done_counts_buffer, zeroed by the caller (a persistent plan draws its units from
-        the first). Returns the compiled Gluon kernel (the probes read its registers), None for an
+        the first). attn_bias, bias_grad: the bias and its gradient's buffer of a plan made with them.
+        Returns the compiled Gluon kernel (the probes read its registers), None for an
         empty grid."""
         assert (done_counts is not None) == self.needs_counts
         kernel = None
@@ -222,7 +237,11 @@ class BackwardPlan:
                 kernel = self.main(*descriptors, done_counts)
                 done_counts = None  # not done counts: the convert runs after the kernel
             else:
-                option_tensors = (alibi_slopes, rel_bias_table) if self.option_slots else ()
+                option_tensors = ()
+                if self.option_slots:
+                    ring = self.bias_template is not None
+                    option_tensors = (alibi_slopes, rel_bias_table, None if ring else attn_bias, bias_grad,
+                                      self.bias_template(attn_bias) if ring else None)
                 if self.varlen:
                     kernel = self.main(*descriptors, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_log2, delta, dk, dv,
                                        None, *option_tensors)
@@ -235,6 +254,26 @@ class BackwardPlan:
     def __call__(self, q, k, v, dout, lse_log2, delta, dq, dk, dv, dq_acc, done_counts=None, **varlen):
         descriptors = self.descriptors(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta)
         return self.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts, **varlen)
+
+
+def _attn_bias_arguments(attn_bias, strides, bias_grad, grad_strides, grad_mode: int, template) -> dict:
+    """The two-warpgroup kernel's attn_bias arguments: the bias (unit key stride) and its batch, head and
+    query strides (0 along broadcast dimensions), or with a BiasDescriptorTemplate its descriptor and
+    batch and head dims; with grad_mode 1 (one score per element: stored) or 2 (summed over broadcast
+    dimensions: float32 atomics) the gradient's buffer and its strides."""
+    if attn_bias is None:
+        return {}
+    assert attn_bias.stride(-1) == 1 and attn_bias.shape[-1] > 1
+    if template is not None:
+        arguments = dict(bias_desc=template(attn_bias), bias_batches=template.shape[0], bias_heads=template.shape[1])
+    else:
+        arguments = dict(attn_bias=attn_bias)
+    arguments.update(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides))
+    if grad_mode:
+        assert bias_grad.stride(-1) == 1 and (grad_mode == 1 or bias_grad.dtype == torch.float32)
+        arguments.update(bias_grad=bias_grad, BIAS_GRAD=grad_mode,
+                         **dict(zip(("stride_grad_b", "stride_grad_h", "stride_grad_m"), grad_strides)))
+    return arguments
 
 
 def done_counts_buffer(q, k, device=None) -> torch.Tensor:

@@ -11,6 +11,7 @@ from ...options import PackedSeqs, ScoreParams, grid_lengths
 from ..portable.launch import (SinkGrad, preprocess_call, preprocess_seq_tensors, row_stats_buffers,
                                row_stats_by_shape, row_stats_shape)
 from .backward_plan import BackwardPlan, done_counts_buffer, dq_accumulator
+from ..portable import mods as builtin
 from .forward_plan import ForwardPlan
 
 
@@ -46,6 +47,17 @@ def _attn_bias(params: ScoreParams) -> dict:
     attn_bias (dispatch.hopper_takes sends no other mods here), else none."""
     bias = None if params.mods is None else params.mods.attn_bias
     return {} if bias is None else dict(attn_bias=bias.read, attn_bias_strides=bias.strides)
+
+
+def _bias_grad(params: ScoreParams) -> dict:
+    """The backward's arguments for attn_bias's gradient: its buffer (mods.AttnBias.backward_mods), strides,
+    and whether the kernel stores into it (1) or adds into it (2); none when the bias takes no gradient."""
+    mods = params.mods
+    if mods is None or mods.attn_bias is None or mods.dq_score_mod_bwd is None:
+        return {}
+    aux = mods.dq_score_aux
+    return dict(bias_grad=aux[4], bias_grad_strides=tuple(aux[5:8]),
+                bias_grad_mode=1 if mods.dq_score_mod_bwd is builtin.attn_bias_grad_store else 2)
 
 
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,
@@ -86,7 +98,8 @@ class GluonBackward:
                                     params.causal, cfg, max_seqlen_k=grid_lengths(q, k, seqs)[2],
                                     softcap=params.softcap, window_left=params.window_left,
                                     window_right=params.window_right, alibi_slopes=params.alibi_slopes,
-                                    rel_bias_table=_rel_bias_table(params), **gluon_seq_tensors(seqs))
+                                    rel_bias_table=_rel_bias_table(params), **_attn_bias(params),
+                                    **_bias_grad(params), **gluon_seq_tensors(seqs))
         done_counts = done_counts_buffer(q, k, "meta") if self.kernels.needs_counts else None
         self.preprocess = preprocess_call(out, dout, lse, delta, lse_log2, seqs, pre_cfg.block_m, pre_cfg.num_warps,
                                           zero=dq_acc, zero_counts=done_counts)
@@ -113,7 +126,8 @@ class GluonBackward:
                         params.learnable_sink, sink_parts)
         self.kernels.launch(descriptors, dq, dk, dv, dq_acc, lse_log2, delta, done_counts=done_counts,
                             alibi_slopes=params.alibi_slopes, rel_bias_table=_rel_bias_table(params),
-                            **gluon_seq_tensors(seqs))
+                            attn_bias=_attn_bias(params).get("attn_bias"),
+                            bias_grad=_bias_grad(params).get("bias_grad"), **gluon_seq_tensors(seqs))
         if sink_parts is not None:
             SinkGrad.finish(sink_parts, dsink)
 

@@ -1,14 +1,16 @@
 """The Hopper kernels' score options, written once for the forward and the backward: softcap and
-ALiBi on a tile of raw dot products, and the sliding-window band; and the forward's relative-position
-bias table (flashtile.mods.relative_bias) and attn_bias. Same order and meaning as the
-portable kernels' pipeline (portable/scores.py): q.k * scale -> softcap -> + ALiBi bias -> the
-causal / window / bounds mask, scores in log2 units so the softmax uses exp2.
+ALiBi on a tile of raw dot products, and the sliding-window band; the relative-position bias table
+(flashtile.mods.relative_bias); and attn_bias's tiles (the backward's transposed) and its gradient's
+writes. Same order and meaning as the portable kernels' pipeline (portable/scores.py): q.k * scale ->
+softcap -> + ALiBi bias -> + attn_bias -> the causal / window / bounds mask, scores in log2 units so the
+softmax uses exp2.
 
 Window sides travel as runtime ints, an unbounded side as UNBOUNDED_WINDOW (a key index no sequence
 reaches, with room to add a row index without overflowing int32): a sliding window, causal or not,
 compiles one band test whatever its sides."""
 
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -126,14 +128,89 @@ def attn_bias_tile(bias_rows, start_n, seqlen_k, BLOCK_N: gl.constexpr, MASK: gl
     rows = gl.convert_layout(bias_rows, gl.SliceLayout(1, coalesced))
     cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, coalesced))
     ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(cols, 0)
+    return _load_tile(ptrs, gl.expand_dims(cols < seqlen_k, 0), MASK, s_layout)
+
+
+@gluon.jit
+def _load_tile(ptrs, keep, MASK: gl.constexpr, layout: gl.constexpr):
+    """The tile at ptrs (with MASK only where keep holds, 0 elsewhere), moved into ``layout``."""
     if MASK:
-        bias = gl.load(ptrs, mask=gl.expand_dims(cols < seqlen_k, 0), other=0.0)
+        tile = gl.load(ptrs, mask=keep, other=0.0)
     else:
-        bias = gl.load(ptrs)
-    return gl.convert_layout(bias, s_layout)
+        tile = gl.load(ptrs)
+    return gl.convert_layout(tile, layout)
 
 
 @gluon.jit
 def attn_bias_log2(bias):
     """An attn_bias tile as attn_bias_tile loaded it -> float32 in log2 units, to add to the scores."""
     return bias.to(gl.float32) * LOG2E
+
+
+# The backward's tiles are transposed (keys x queries, S^T): a bias row (one query) runs down a tile's
+# column. Its loads and the gradient's writes go along the keys, the bias's unit stride, 16 bytes per
+# thread, and reach the tiles' wgmma layout through shared memory (attn_bias_tile's way).
+
+@constexpr_function
+def _keys_coalesced(keys, dtype):
+    """A layout of (keys x queries) tiles whose threads hold 16 bytes along the keys (whole 128-byte lines
+    per warp)."""
+    vec = 128 // dtype.primitive_bitwidth
+    across = min(keys // vec, 32)
+    return gl.BlockedLayout([vec, 1], [across, 32 // across], [1, 4], [0, 1])
+
+
+@gluon.jit
+def _key_query_pointers(head, stride_m, key0, start_m, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr,
+                        last_query=None):
+    """Pointers to (key0 + keys, start_m + queries) of a (queries x keys) array with unit key stride from
+    ``head``, queries clamped to last_query when given; and the keys, queries."""
+    keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, layout))
+    queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    rows = queries
+    if last_query is not None:
+        rows = gl.minimum(queries, last_query)
+    ptrs = head + gl.expand_dims(keys, 1) + gl.expand_dims(rows.to(gl.int64) * stride_m, 0)
+    return ptrs, keys, queries
+
+
+@gluon.jit
+def attn_bias_tile_t(bias_head, stride_bias_m, key0, start_m, seqlen_q, seqlen_k, KEYS: gl.constexpr,
+                     BLOCK_M: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
+    """attn_bias over a transposed score tile (keys key0 + [0, KEYS) x queries start_m + [0, BLOCK_M)),
+    as stored, in the layout s_layout. Queries past seqlen_q read its last row (their scores are
+    discarded); MASK: keys past seqlen_k are not read."""
+    layout: gl.constexpr = _keys_coalesced(KEYS, bias_head.dtype.element_ty)
+    ptrs, keys, _ = _key_query_pointers(bias_head, stride_bias_m, key0, start_m, KEYS, BLOCK_M, layout,
+                                        gl.maximum(seqlen_q - 1, 0))
+    return _load_tile(ptrs, gl.expand_dims(keys < seqlen_k, 1), MASK, s_layout)
+
+
+@gluon.jit
+def attn_bias_grad_t(ds, grad_head, stride_grad_m, key0, start_m, seqlen_q, seqlen_k, MASK: gl.constexpr,
+                     GRAD: gl.constexpr, FROM_SHARED: gl.constexpr = False):
+    """The backward's share of attn_bias's gradient: ``ds``, the dS^T tile (keys key0 + rows x queries
+    start_m + columns) in the inputs' 16-bit dtype as dK and dQ take it, which is the gradient of the
+    scores the bias adds to; in registers, or (FROM_SHARED) in shared memory. GRAD 1: stored into a
+    gradient of the call's full shape (one score per element); GRAD 2: added (float32 atomics) into a
+    float32 buffer that sums over broadcast dimensions. Queries past seqlen_q (and with MASK keys past
+    seqlen_k) write nothing."""
+    KEYS: gl.constexpr = ds.shape[0]
+    # Stores: 16 bytes of the gradient's dtype per thread. Atomics: 16 bytes of float32 (a v4 atomic),
+    # so that a warp's instruction covers whole 32-byte sectors.
+    if GRAD == 1:
+        layout: gl.constexpr = _keys_coalesced(KEYS, grad_head.dtype.element_ty)
+    else:
+        layout: gl.constexpr = _keys_coalesced(KEYS, gl.float32)
+    ptrs, keys, queries = _key_query_pointers(grad_head, stride_grad_m, key0, start_m, KEYS, ds.shape[1], layout)
+    keep = gl.expand_dims(queries < seqlen_q, 0)
+    if MASK:
+        keep = keep & gl.expand_dims(keys < seqlen_k, 1)
+    if FROM_SHARED:
+        ds = ds.load(layout)
+    else:
+        ds = gl.convert_layout(ds, layout)
+    if GRAD == 1:
+        gl.store(ptrs, ds.to(grad_head.dtype.element_ty), mask=keep)
+    else:
+        gl.atomic_add(ptrs, ds.to(gl.float32), mask=keep, sem="relaxed")

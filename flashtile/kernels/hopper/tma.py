@@ -109,6 +109,30 @@ class DescriptorTemplate:
         return gluon_tensor_descriptor(t, self.shape, self.strides, self.block, self.layout)
 
 
+class BiasDescriptorTemplate:
+    """Host TMA descriptors over an attn_bias (unit key stride) as a (batch, heads, queries, keys) view:
+    its own dims, 1 along those it broadcasts (``strides``: its batch, head and query strides, 0 there);
+    (1, 1, rows, cols) boxes, swizzled. ``supported`` says whether TMA can address it: a bias with a
+    query dim of its own, whose base and strides are multiples of 16 bytes. Calling it with a bias of
+    that shape, strides and dtype gives its descriptor."""
+
+    def __init__(self, bias: torch.Tensor, strides: tuple, rows: int, cols: int):
+        batches, heads, queries, keys = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+        stride_b, stride_h, stride_q = strides
+        # A dim of one is never stepped along: any stride of 16-byte multiples serves.
+        stride_h = stride_h if heads > 1 else queries * stride_q
+        stride_b = stride_b if batches > 1 else heads * stride_h
+        self.shape, self.strides = [batches, heads, queries, keys], [stride_b, stride_h, stride_q, 1]
+        self.block = [1, 1, rows, cols]
+        size = bias.element_size()
+        self.supported = (queries > 1 and bias.stride(-1) == 1 and bias.data_ptr() % 16 == 0
+                          and all(st * size % 16 == 0 for st in self.strides[:3]))
+        self.layout = _swizzled_layout(tuple(self.block), bias.dtype) if self.supported else None
+
+    def __call__(self, bias: torch.Tensor):
+        return gluon_tensor_descriptor(bias, self.shape, self.strides, self.block, self.layout)
+
+
 class TileDescriptorTemplate:
     """Host tensor descriptors of triton.tools (what the portable Triton kernels take) over
     TMA-aligned (b, s, h, d) views of one shape and strides: (1, rows, 1, cols) tiles of one
