@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 
 from ...options import PackedSeqs, ScoreParams, grid_lengths
+from ..portable import mods as builtin
 from ..portable.launch import (SinkGrad, preprocess_call, preprocess_seq_tensors, row_stats_buffers,
                                row_stats_by_shape, row_stats_shape)
 from .backward_plan import BackwardPlan, done_counts_buffer, dq_accumulator
-from ..portable import mods as builtin
 from .forward_plan import ForwardPlan
 
 
