@@ -298,7 +298,7 @@ def _loader(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem,
                          v_smem, lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch,
                          tma_batch, q_start, k_start, seqlen_q, seqlen_k, nheads, head_group, lse_row_stride,
                          lse_ptr, delta_ptr, BLOCK_M, NUM_STAGES, CAUSAL, IS_VARLEN, 0, LOCAL, window_left,
-                         window_right)
+                         window_right, bias_desc, bias_smem, bias_batches, bias_heads)
     else:
         _load_blocks(q_desc, do_desc, kv_desc_k, kv_desc_v, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                      lse_smem, delta_smem, kv_ready, q_ready, q_empty, start_n, kv_head, batch, tma_batch, q_start,
