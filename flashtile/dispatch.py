@@ -149,11 +149,6 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
                       "one takes any)")
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
-    if kernel == BWD_GLUON and seqs is not None and params.mods is not None and params.mods.attn_bias is not None:
-        # The forward's packed path with a bias is checked on a GPU; the backward's (the bias's ring in the
-        # loader's varlen branch) is not yet.
-        return None, ("attn_bias on packed sequences: the Hopper backward reads attn_bias on dense batches only "
-                      "(packed ones await a GPU check); the portable backward computes the gradients")
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
         return None, "a side without cu_seqlens (the decode layout): the Hopper kernels read packed sequences only"
     if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):

@@ -163,10 +163,10 @@ def test_qkvpacked():
 
 def test_explain_names_attn_bias():
     """On sm90 the Hopper kernels read a 16-bit bias that varies along the keys at head dims 65 to 128,
-    on dense batches, and the backward writes its gradient when that varies along queries and keys; a
+    and the backward writes its gradient when that varies along queries and keys; a
     gradient summed along the queries (and a bias constant along the keys, one beside a mask_mod, a
-    float32 one, or head dim 64) stays on the portable kernels, and says why. Packed sequences take the
-    Hopper forward, and the portable backward."""
+    float32 one, or head dim 64) stays on the portable kernels, and says why. Packed sequences take both
+    Hopper kernels too."""
     q, k, v = make_qkv(1, 64, 64, 2, 2, 128, DTYPES[0], requires_grad=False)
     for shape in ((1, 2, 64, 64), (64, 64)):
         explanation = flashtile.explain(q, k, v, attn_bias=_bias(shape, DTYPES[0]), device_capability=(9, 0))
@@ -191,7 +191,7 @@ def test_explain_names_attn_bias():
                                     max_seqlen_k=34, attn_bias=_bias((2, 2, 34, 34), DTYPES[0]),
                                     device_capability=(9, 0))
     assert explanation.forward.path == "hopper", explanation.forward.reason
-    assert explanation.backward.path == "portable" and "packed" in explanation.backward.reason
+    assert explanation.backward.path == "hopper", explanation.backward.reason
     q, k, v = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0))
     assert explanation.forward.path == "portable" and "65 to 128" in explanation.forward.reason
@@ -244,9 +244,10 @@ def test_hopper_kernels(head_dim, bias_dtype, options):
 @pytest.mark.skipif(not ON_GPU, reason="the Hopper kernels: compiled on sm90")
 @pytest.mark.parametrize("layout", ["ring-stored", "loads-added"])
 def test_hopper_varlen(layout):
-    """Packed sequences with a 16-bit bias on the Hopper forward (the backward stays portable for now): a
-    bias per sequence whose key count gives 16-byte rows, and one shared by the sequences whose rows are
-    not; empty and one-row sequences, -inf in the bias."""
+    """Packed sequences with a 16-bit bias on the Hopper forward and backward: a bias per sequence whose key
+    count gives 16-byte rows (both kernels read it through their rings; its gradient is stored), and one
+    shared by the sequences whose rows are not (loaded; its gradient added up); empty and one-row
+    sequences, -inf in the bias."""
     lengths = [170, 1, 0, 1400] if layout == "ring-stored" else [171, 1, 0, 1401]
     q, k, v, cu_q, cu_k = make_packed_qkv(lengths, lengths[::-1], 4, 2, 128, torch.bfloat16)
     max_len = max(lengths)
@@ -259,7 +260,7 @@ def test_hopper_varlen(layout):
     explanation = flashtile.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_len,
                                     max_seqlen_k=max_len, causal=True, attn_bias=bias)
     assert explanation.forward.path == "hopper", explanation.forward.reason
-    assert explanation.backward.path == "portable" and "packed" in explanation.backward.reason
+    assert explanation.backward.path == "hopper", explanation.backward.reason
     reference = functools.partial(attention_varlen_naive, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     errors, lse, ref_lse = call_errors(fn, q, k, v, reference=reference, causal=True, attn_bias=bias)
     check_errors(errors, q.dtype)

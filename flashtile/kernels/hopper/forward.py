@@ -33,9 +33,11 @@ width over the true-width tensors, so loads zero-fill the missing columns (S is 
 columns come out zero) and stores clip them; the ragged-tile register store masks them. At d192 the
 S product skips the all-zero last 64 columns. d64/d128/d256 compile to the same code as before.
 
-attn_bias (BIAS): each consumer warpgroup loads its rows of a block's bias while that block's S is in
-flight and adds it in the softmax (scores.attn_bias_tile); with it, a row may see only -inf in any
-block, so the softmax guards its max as masked blocks do.
+attn_bias (BIAS): when TMA can address the bias, the loader brings each consumer's (64 rows x key block)
+tile of it with the block's K, into a ring of its own beside K's (same slots, same barriers); each
+consumer warpgroup reads its tile while the block's S is in flight. Otherwise each warpgroup loads its
+rows of the block's bias then (scores.attn_bias_tile). Either way the softmax adds it; with it, a row
+may see only -inf in any block, so the softmax guards its max as masked blocks do.
 """
 
 from triton.experimental import gluon
@@ -121,10 +123,18 @@ def _chunk_start(start_m, c, reverse, NUM_CONSUMERS: gl.constexpr):
 def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                 v_empty, tma_batch, q_row, k_start, head, kv_head, n_total, kv0, q_phase, reverse,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                PERSISTENT: gl.constexpr):
+                PERSISTENT: gl.constexpr, bias_desc=None, bias_smem=None, bias_origin=None):
     """Q of one tile, then its n_total K/V blocks. kv0: K/V blocks this CTA loaded before (the ring
     position); q_phase: tiles before, mod 2 (persistent CTAs wait until the consumers released the
-    previous tile's Q); reverse: see _chunk_start."""
+    previous tile's Q); reverse: see _chunk_start. With bias_desc, each K slot also takes every
+    consumer's (64 rows x key block) tile of attn_bias into bias_smem (see the kernel); bias_origin: the
+    bias's (batch, head, query, key) coordinates of the tile's first row and first block."""
+    BIAS_RING: gl.constexpr = bias_desc is not None
+    if BIAS_RING:
+        k_bytes: gl.constexpr = k_desc.block_type.nbytes + NUM_CONSUMERS * bias_desc.block_type.nbytes
+        bias_b, bias_h, bias_m, bias_n = bias_origin
+    else:
+        k_bytes: gl.constexpr = k_desc.block_type.nbytes
     for c in gl.static_range(NUM_CONSUMERS):
         if PERSISTENT:
             mbarrier.wait(q_empty.index(c), q_phase ^ 1)
@@ -138,9 +148,14 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
         # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), empty_phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        mbarrier.expect(k_ready.index(stage), k_bytes)
         tma_load(k_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
                                         k_ready.index(stage), k_smem.index(stage))
+        if BIAS_RING:
+            # TMA zero-fills rows and keys past the bias (their scores are discarded or masked).
+            for c in gl.static_range(NUM_CONSUMERS):
+                tma_load(bias_desc, [bias_b, bias_h, _chunk_start(bias_m, c, reverse, NUM_CONSUMERS),
+                                     bias_n + jj * BLOCK_N], k_ready.index(stage), bias_smem.index(c * NUM_STAGES + stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
@@ -152,7 +167,10 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
             heads_per_group, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-            IS_VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr):
+            IS_VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, bias_desc=None,
+            bias_smem=None, bias_batches=1, bias_heads=1):
+    # bias_desc: attn_bias's tiles come through the K ring (_load_tiles); bias_batches, bias_heads: its batch
+    # and head dims (1 where it broadcasts).
     if PERSISTENT:
         kv0 = 0
         tile_iter = 0
@@ -167,7 +185,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                     reverse = half == 1
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, batch, start_m, n_first * BLOCK_N, head, kv_head, n_total - n_first,
-                            kv0, tile_iter & 1, reverse, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, True)
+                            kv0, tile_iter & 1, reverse, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, True, bias_desc,
+                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, n_first * BLOCK_N))
                 kv0 += n_total - n_first
                 tile_iter += 1
     else:
@@ -183,11 +202,13 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             if valid:
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, 0, q_start + start_m, k_start + first_key, head, kv_head,
-                            n_total - n_first, 0, 0, False, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
+                            n_total - n_first, 0, 0, False, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc,
+                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, first_key))
         else:
             _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                         v_ready, v_empty, batch, start_m, first_key, head, kv_head, n_total - n_first, 0, 0, False,
-                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False)
+                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc, bias_smem,
+                        (batch % bias_batches, head % bias_heads, start_m, first_key))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,12 +362,18 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
 
 
 @gluon.jit
-def _block_bias(score, start_n, seqlen_k, BLOCK_N: gl.constexpr, MASK: gl.constexpr, BIAS: gl.constexpr,
+def _block_bias(score, start_n, seqlen_k, stage, BLOCK_N: gl.constexpr, MASK: gl.constexpr, BIAS: gl.constexpr,
                 s_layout: gl.constexpr):
-    """The attn_bias tile of the block from key start_n as stored (scores.attn_bias_tile), or 0 without
-    BIAS. Called right after S's wgmma is issued, so that the loads fly with it."""
+    """The attn_bias tile of the block from key start_n (in ring slot ``stage``) as stored, or 0 without
+    BIAS: BIAS 2 reads it from the ring (the score tuple holds the ring and this warpgroup's first tile in
+    it), BIAS 1 loads
+    it (scores.attn_bias_tile; the tuple holds its rows' pointers). Called right after S's wgmma is issued,
+    so that the reads fly with it."""
     _, _, _, _, _, _, _, _, bias_rows = score
-    if BIAS:
+    if BIAS == 2:
+        ring, first = bias_rows
+        bias = ring.index(first + stage).reshape([64, BLOCK_N]).load(s_layout)
+    elif BIAS:
         bias = attn_bias_tile(bias_rows, start_n, seqlen_k, BLOCK_N, MASK, s_layout)
     else:
         bias = 0
@@ -398,7 +425,7 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
             l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
-        bias = _block_bias(score, j * BLOCK_N, seqlen_k, BLOCK_N, MASK, BIAS, s_layout)
+        bias = _block_bias(score, j * BLOCK_N, seqlen_k, stage, BLOCK_N, MASK, BIAS, s_layout)
 
         # wgmma groups retire in order: with the P V (and P 1) groups outstanding, S_j is done.
         if SKIP_LAST_CHUNK:
@@ -504,6 +531,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     HALF: gl.constexpr = BLOCK_N // 2
     gl.static_assert((HEAD_DIM == 64) & (v_smem.shape[4] == 64), "TRIM_DIAGONAL: head dim 64 only")
+    gl.static_assert(BIAS != 2, "TRIM_DIAGONAL: attn_bias's tiles are loaded, not read from the ring")
     dtype: gl.constexpr = k_smem.dtype
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
@@ -526,7 +554,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
         bias_rows = gl.convert_layout(bias_rows, h_rows)
     half_score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0,
                   bias_rows)
-    bias = _block_bias(half_score, j * BLOCK_N, seqlen_k, HALF, True, BIAS, h_layout)
+    bias = _block_bias(half_score, j * BLOCK_N, seqlen_k, stage, HALF, True, BIAS, h_layout)
     s, _, _ = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=[s_tok, q_op, k_half_t])
     mbarrier.arrive(k_empty.index(stage))
     if PERSISTENT:
@@ -615,9 +643,11 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     # The relative bias reads its blocks' distance from the diagonal off the slice's first row; attn_bias
     # its rows' pointers (from the (batch, head)'s first element, with the bias's query stride).
     slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, bias_head = score
-    bias_head, stride_bias_m = bias_head
+    bias_head, stride_bias_m, bias_smem = bias_head
     bias_rows = 0
-    if BIAS:
+    if BIAS == 2:
+        bias_rows = (bias_smem, CONSUMER * NUM_STAGES)
+    elif BIAS:
         bias_rows = attn_bias_rows(bias_head, rows, seqlen_q, stride_bias_m)
     score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, my_start,
              bias_rows)
@@ -663,7 +693,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                                   is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
-        bias = _block_bias(score, n_first * BLOCK_N, seqlen_k, BLOCK_N, True, BIAS, s_layout)
+        bias = _block_bias(score, n_first * BLOCK_N, seqlen_k, stage0, BLOCK_N, True, BIAS, s_layout)
         if SKIP_LAST_CHUNK:
             s, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q_buf, k_smem])
         else:
@@ -815,12 +845,22 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
 
 
 @gluon.jit
+def _bias_source(attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, batch, head, BIAS: gl.constexpr):
+    """The score tuple's attn_bias entry (_consume): the (batch, head)'s first element and the query stride
+    that BIAS 1 loads from, and the tile ring that BIAS 2 reads (else 0)."""
+    ring = 0
+    if BIAS == 2:
+        ring = bias_smem
+    return attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS == 1), stride_bias_m, ring
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
               turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, cu_seqlens_q,
               cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group,
               qk_scale_log2, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes, stride_alibi_b,
               sink_ptr, rel_bias_table, rel_bias_distance, attn_bias, stride_bias_b, stride_bias_h, stride_bias_m,
-              CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              bias_smem, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -843,7 +883,8 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                 score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale,
                          softcap_log2, window_left, window_right,
                          relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS), rel_bias_distance,
-                         (attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS), stride_bias_m))
+                         _bias_source(attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, batch, head,
+                                      BIAS))
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          qk_scale_log2, start_m, head, batch, 0, seqlen_q, seqlen_k, seqlen_q, n_first, n_free_lo,
@@ -867,7 +908,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
         score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
                  window_left, window_right, relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS),
                  rel_bias_distance,
-                 (attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS), stride_bias_m))
+                 _bias_source(attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, batch, head, BIAS))
         if IS_VARLEN:
             if valid:
                 _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
@@ -913,13 +954,17 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, window_left=0, window_right=0,
                           softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0,
                           HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None, rel_bias_table=None,
-                          rel_bias_distance=0, attn_bias=None, stride_bias_b=0, stride_bias_h=0, stride_bias_m=0):
+                          rel_bias_distance=0, attn_bias=None, stride_bias_b=0, stride_bias_h=0, stride_bias_m=0,
+                          bias_desc=None, bias_batches=1, bias_heads=1):
     # rel_bias_table: a relative-position bias table (nheads, 2 * rel_bias_distance + 1), float32
     # (flashtile.mods.relative_bias, scores.relative_bias_log2), or None. attn_bias: a bias added to
     # the scores, read with these batch / head / query strides (0 along broadcast dimensions) and unit key
-    # stride (scores.attn_bias_tile), or None.
+    # stride (scores.attn_bias_tile), or None. bias_desc: instead of attn_bias, a descriptor of its (batch,
+    # head, query, key) view (bias_batches, bias_heads: its batch and head dims, 1 where it broadcasts),
+    # whose (64 rows x key block) tiles come through the K ring.
     REL_BIAS: gl.constexpr = rel_bias_table is not None
-    BIAS: gl.constexpr = attn_bias is not None
+    # 0: no bias; 1: the consumers load it; 2: it comes through the ring.
+    BIAS: gl.constexpr = 2 * (bias_desc is not None) + (attn_bias is not None)
     # V's (and O's) head dim when it differs from Q's and K's (v_desc's and o_desc's boxes are its padded
     # width); None: the same.
     V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
@@ -936,6 +981,13 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                                               gl.full([8, BLOCK_N], 1.0, dtype, fill_layout))
     else:
         ones_smem = q_smem  # unused (warp_specialize's arguments cannot be None)
+
+    if bias_desc is not None:
+        # Consumer c's tile of ring slot i is tile c * NUM_STAGES + i.
+        bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_CONSUMERS * NUM_STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:
+        bias_smem: gl.constexpr = None
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
@@ -981,15 +1033,16 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 0, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
+                       bias_batches, bias_heads)),
         ], [1], [LOADER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
@@ -998,8 +1051,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 0, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
@@ -1008,15 +1061,16 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 1, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 1, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
+                       bias_batches, bias_heads)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
@@ -1025,8 +1079,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 0, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
@@ -1035,8 +1089,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 1, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 1, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
@@ -1045,15 +1099,16 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 2, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 2, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
+                       bias_batches, bias_heads)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_CONSUMERS == 4, "1 to 4 consumer warpgroups")
@@ -1063,8 +1118,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 0, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 0, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
@@ -1073,8 +1128,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 1, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 1, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
@@ -1083,8 +1138,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 2, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 2, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
@@ -1093,13 +1148,14 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
                          n_batch, heads_per_group, qk_scale_log2, window_left, window_right, softcap_scale,
                          softcap_log2, alibi_slopes, stride_alibi_b, sink_ptr, rel_bias_table, rel_bias_distance,
-                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, 3, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL,
+                         attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_smem, 3, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
+                       bias_batches, bias_heads)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

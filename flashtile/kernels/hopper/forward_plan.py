@@ -11,7 +11,7 @@ from ...configs import GluonFwdConfig, padded_head_dim
 from ..plans import CompiledCall
 from .forward import ROWS_PER_CONSUMER, gluon_attn_fwd_kernel
 from .scores import UNBOUNDED_WINDOW
-from .tma import DescriptorTemplate, multiprocessors, qkv_supported
+from .tma import BiasDescriptorTemplate, DescriptorTemplate, multiprocessors, qkv_supported
 
 LOG2E = 1.4426950408889634
 
@@ -131,6 +131,14 @@ class ForwardPlan:
         assert softmax_scale > 0, "the row max is taken before scaling: other scales take the portable kernel"
         assert rel_bias_table is None or rel_bias_table.shape[0] == nheads
         assert attn_bias is None or (attn_bias.stride(-1) == 1 and attn_bias.shape[-1] > 1)
+        # attn_bias's tiles come through the K ring when TMA can address the bias; the ring's shared memory
+        # leaves no room for the persistent grid's O staging buffer.
+        self.bias_template = None
+        if attn_bias is not None:
+            template = BiasDescriptorTemplate(attn_bias, attn_bias_strides, ROWS_PER_CONSUMER, cfg.block_n)
+            if template.supported:
+                self.bias_template = template
+                cfg = replace(cfg, persistent=False)
         varlen = cu_seqlens_q is not None
         if varlen:
             assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
@@ -191,11 +199,10 @@ class ForwardPlan:
                  **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes,
                                     rel_bias_table),
                  **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
-                 **({} if attn_bias is None else dict(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"),
-                                                          attn_bias_strides))), attn_bias=attn_bias,
+                 **_attn_bias_arguments(attn_bias, attn_bias_strides, self.bias_template),
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table", "attn_bias"))
+                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table", "attn_bias", "bias_desc"))
 
     def descriptors(self, q, k, v, out) -> tuple:
         """The TMA descriptors of one call's tensors (q, k, v, o order)."""
@@ -206,13 +213,25 @@ class ForwardPlan:
         """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
         if self.call is None:
             return None
+        ring = self.bias_template is not None
         return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         out if self.varlen else None, alibi_slopes, learnable_sink, rel_bias_table, attn_bias)
+                         out if self.varlen else None, alibi_slopes, learnable_sink, rel_bias_table,
+                         None if ring else attn_bias, self.bias_template(attn_bias) if ring else None)
 
     def __call__(self, q, k, v, out, lse, **varlen):
         if self.call is None:
             return None
         return self.launch(self.descriptors(q, k, v, out), out, lse, **varlen)
+
+
+def _attn_bias_arguments(attn_bias, strides, template) -> dict:
+    """The kernel's attn_bias arguments besides its slots (attn_bias, bias_desc): the bias's batch, head and
+    query strides (loads), or its batch and head dims (the ring, with a descriptor template)."""
+    if attn_bias is None:
+        return {}
+    if template is not None:
+        return dict(bias_batches=template.shape[0], bias_heads=template.shape[1])
+    return dict(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides))
 
 
 def heads_per_group(n_tiles: int, pairs: int, resident_ctas: int, factor: int = 1) -> int:
