@@ -200,21 +200,27 @@ def test_explain_names_attn_bias():
 @pytest.mark.skipif(not ON_GPU, reason="the Hopper kernels: compiled on sm90")
 @pytest.mark.parametrize("head_dim", [128, 96, 64])
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("options", ["causal", "full", "window-softcap-alibi", "gqa-sink"])
+@pytest.mark.parametrize("options", ["causal", "full", "window-softcap-alibi", "window-alibi", "softcap", "gqa-sink"])
 def test_hopper_kernels(head_dim, bias_dtype, options):
     """The Hopper forward and backward adding a 16-bit bias at head dims 65 to 128 (asked of
     flashtile.explain first, so a bias that leaves them fails here; head dim 64 and float32 biases stay
     portable), the backward storing the gradient of a full-shape bias and adding up that of one
     shared by the batch ("full"): odd lengths, every option beside it, -inf in the bias, and a row
     with no key left (out 0, lse -inf, or the sink's logit)."""
-    # Key counts of 16-byte rows take the backward's TMA ring of bias tiles (causal, gqa-sink), the others
-    # its loads from global memory, as does softcap with the bias's gradient.
+    # Key counts of 16-byte rows take the kernels' TMA rings of bias tiles, which start the scores'
+    # accumulators (causal, window-alibi, gqa-sink) or, with softcap, add to the capped scores (the forward's
+    # "softcap"; the backward loads the bias beside softcap with the bias's gradient); other key counts load
+    # the bias from global memory.
     sq, sk = {"causal": (1023, 1024), "full": (113, 1500), "window-softcap-alibi": (1023, 1023),
-              "gqa-sink": (1000, 1000)}[options]
+              "window-alibi": (1023, 1024), "softcap": (1000, 1024), "gqa-sink": (1000, 1000)}[options]
     q, k, v = make_qkv(2, sq, sk, 4, 2 if options == "gqa-sink" else 4, head_dim, torch.bfloat16)
     kwargs = dict(causal=options in ("causal", "gqa-sink"))
     if options == "window-softcap-alibi":
         kwargs.update(window_size=(300, 40), softcap=20.0, alibi_slopes=torch.rand(2, 4, device=DEVICE) * 0.1)
+    if options == "window-alibi":
+        kwargs.update(window_size=(300, 40), alibi_slopes=torch.rand(4, device=DEVICE) * 0.1)
+    if options == "softcap":
+        kwargs.update(softcap=20.0)
     sink = None
     if options == "gqa-sink":
         sink = torch.randn(4, device=DEVICE).requires_grad_()

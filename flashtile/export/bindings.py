@@ -129,7 +129,7 @@ def gluon_forward(cfg: GluonFwdConfig, causal: bool, varlen: bool) -> Binding:
         # relative-bias table or attn_bias.
         "window_left": "0", "window_right": "0", "softcap_scale": ("float", "0.0"), "softcap_log2": ("float", "0.0"),
         "stride_alibi_b": "0", "rel_bias_distance": "0", "stride_bias_b": "0", "stride_bias_h": "0",
-        "stride_bias_m": "0",
+        "stride_bias_m": "0", "bias_batches": "1", "bias_heads": "1",
     }
     if causal and not varlen and not persistent and cfg.heads_per_group != 1:
         # forward_plan.heads_per_group with factor 1; 0 in the config: sized from the SM count.

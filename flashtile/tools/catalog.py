@@ -345,16 +345,17 @@ def _mod_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
     return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
 
 
-def _attn_bias_params(causal: bool, nheads: int, seqlen: int, queries: int = 0) -> ScoreParams:
+def _attn_bias_params(causal: bool, nheads: int, seqlen: int, queries: int = 0,
+                      softcap: float = 0.0) -> ScoreParams:
     """attn_bias (1, nheads, queries or seqlen, seqlen), shared by the batch, with the dQ kernel's gradient
-    accumulation (mods.resolve_attn_bias, AttnBias.backward_mods). One query row (a bias broadcast along the
-    queries): the Hopper kernels load its tiles, having no TMA descriptor for it."""
+    accumulation (mods.resolve_attn_bias, AttnBias.backward_mods), and softcap. One query row (a bias broadcast
+    along the queries): the Hopper kernels load its tiles, having no TMA descriptor for it."""
     from ..mods import resolve_mods
 
     bias = _empty(1, nheads, queries or seqlen, seqlen)
     mods = resolve_mods(None, None, None, None, None, 2, nheads, seqlen, seqlen, bias.device, attn_bias=bias)
     mods, _ = mods.attn_bias.backward_mods(mods)
-    return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
+    return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, softcap=softcap, mods=mods)
 
 
 def _relative_bias_params(causal: bool, nheads: int) -> ScoreParams:
@@ -369,7 +370,8 @@ def _relative_bias_params(causal: bool, nheads: int) -> ScoreParams:
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper forward: a dense batch, a packed one, a dense batch with every
     score option at once (a sliding window, softcap, (b, h) ALiBi slopes), one with a relative-bias
-    table, at head dim 128 two with an attn_bias (dispatch.hopper_takes: through the ring, and loaded), and
+    table, at head dim 128 three with an attn_bias (dispatch.hopper_takes: through the ring, loaded, and with
+    softcap, which the bias follows), and
     from head dim 128 a dense batch whose values have half the head dim (head_dim_v != head_dim_qk)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
@@ -386,6 +388,8 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
         builds.append(("attn-bias", lambda: gluon_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 1024), cfg)))
         builds.append(("attn-bias-loads", lambda: gluon_forward(q, q, q, out, lse,
                                                                 _attn_bias_params(causal, h, 1024, 1), cfg)))
+        builds.append(("attn-bias-softcap", lambda: gluon_forward(q, q, q, out, lse, _attn_bias_params(
+            causal, h, 1024, softcap=20.0), cfg)))
     if d >= 128:
         v_half = _empty(2, 1024, h, d // 2, dtype=dtype)
         builds.append(("head-dim-v", lambda: gluon_forward(q, q, v_half, torch.empty_like(v_half), lse, params, cfg)))

@@ -439,8 +439,10 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     _softmax_block takes the same); attn_bias is (the (batch, head)'s first bias element, the bias's
     query stride, the same of its gradient's buffer), whose BIAS_GRAD (scores.attn_bias_grad_t) says
     how dS^T goes into it; with bias_smem, the bias tiles come through the Q / dO ring instead. With
-    softcap, ALiBi or a bias the scores are formed from the raw S^T (the accumulator starts at 0, not
-    -lse) and masked after the options."""
+    softcap, ALiBi or a loaded bias the scores are formed from the raw S^T (the accumulator starts at 0,
+    not -lse) and masked after the options. A bias from the ring (without softcap, which it would follow)
+    starts S^T's accumulator instead, in score units: it is not live while the products run, and without
+    ALiBi P^T comes out as plain attention's."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     dtype: gl.constexpr = k_smem.dtype
     diag = seqlen_k - seqlen_q
@@ -449,10 +451,12 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse_to_score = 1.0 / qk_scale_log2
-    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS
+    BIAS_IN_ACC: gl.constexpr = BIAS and (bias_smem is not None) and not SOFTCAP
+    BIAS_ADDED: gl.constexpr = BIAS and not BIAS_IN_ACC
+    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS_ADDED
     # The relative bias alone, on unmasked blocks: those beyond its distance take one table entry.
     FAR_BIAS_FOLDS: gl.constexpr = REL_BIAS and not (SOFTCAP or ALIBI or MASK)
-    if LOCAL or MODDED:
+    if LOCAL or MODDED or BIAS:
         slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, attn_bias = score
         bias_head, stride_bias_m, grad_head, stride_grad_m = attn_bias
     else:
@@ -483,8 +487,15 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         if MASK:
             lse = _past_used_rows(lse, start_m, seqlen_q, float("inf"), BLOCK_M, col_layout)
             delta = _past_used_rows(delta, start_m, seqlen_q, 0.0, BLOCK_M, col_layout)
+        if BIAS_IN_ACC:
+            # This warpgroup's keys of the slot's bias tile (TMA zero-fills rows and keys past the bias), in
+            # raw score units.
+            bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
+            s_start = bias_tile.permute([1, 0]).load(s_layout).to(gl.float32) * (LOG2E * lse_to_score)
+        else:
+            s_start = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout)
         if MODDED:
-            s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout)
+            s_init = s_start
             if FAR_BIAS_FOLDS:
                 # A block beyond the table's distance from every query adds one entry to all its
                 # scores: it joins -lse in S^T's start, and P^T comes out as plain attention's.
@@ -494,7 +505,7 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                     bias = gl.load(rel_row + entry) * LOG2E
                     s_init = s_init - gl.expand_dims((lse - bias) * lse_to_score, 0)
         else:
-            s_init = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout) - gl.expand_dims(lse * lse_to_score, 0)
+            s_init = s_start - gl.expand_dims(lse * lse_to_score, 0)
             if MASK:
                 # -inf in the accumulator's start stays -inf through the product: masked before the
                 # wgmma issues, off the path from S^T to P^T.
@@ -504,9 +515,9 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         s_tok = warpgroup_mma(k_cur, q_buf.permute([1, 0]), s_init, is_async=True)
         dp_tok = warpgroup_mma(v_cur, do_buf.permute([1, 0]), dp_init, is_async=True)
         bias = 0
-        if BIAS:
-            # Read while both products are in flight: this warpgroup's keys of the slot's tile (TMA zero-fills
-            # rows and keys past the bias), or loaded from global memory.
+        if BIAS_ADDED:
+            # Read while both products are in flight: this warpgroup's keys of the slot's tile, or loaded from
+            # global memory.
             if bias_smem is not None:
                 bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
                 bias = bias_tile.permute([1, 0]).load(s_layout)
@@ -521,10 +532,11 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                 p = gl.exp2(s * qk_scale_log2)
             else:
                 p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, bias,
-                                             BLOCK_M, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, col_layout)
+                                             BLOCK_M, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS_ADDED,
+                                             col_layout)
         elif MODDED:
             p, t = _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_log2, score, bias,
-                                         BLOCK_M, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, col_layout)
+                                         BLOCK_M, MASK, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS_ADDED, col_layout)
         else:
             p = gl.exp2(s * qk_scale_log2)
         # dS^T = P^T (dP^T - delta); then dV and dK are issued back to back (FA3 order: P^T in

@@ -155,7 +155,8 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
             # TMA zero-fills rows and keys past the bias (their scores are discarded or masked).
             for c in gl.static_range(NUM_CONSUMERS):
                 tma_load(bias_desc, [bias_b, bias_h, _chunk_start(bias_m, c, reverse, NUM_CONSUMERS),
-                                     bias_n + jj * BLOCK_N], k_ready.index(stage), bias_smem.index(c * NUM_STAGES + stage))
+                                     bias_n + jj * BLOCK_N], k_ready.index(stage),
+                         bias_smem.index(c * NUM_STAGES + stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
@@ -230,7 +231,8 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
     attn_bias tile as loaded (scores.attn_bias_tile, while S was in flight), else 0."""
     slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0, bias_rows = score
     offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS
+    # BIAS 3: S's start held the bias; a row may still have seen only -inf so far (EMPTY_ROWS).
+    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS == 1 or BIAS == 2
     if REL_BIAS and not ALIBI and not MASK:
         # A block beyond the table's distance from every row adds one entry to all its scores: the
         # entry joins the row max instead (as the scale does), and the scores stay raw.
@@ -257,11 +259,11 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
         # A bias may hold -inf: a row can then have no visible key so far in any block, masked or not.
         p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, 1.0, None, window_left,
                                                  window_right, BLOCK_N, MASK, CAUSAL, LOCAL, s_layout, ROW_SUM_MMA,
-                                                 BIAS)
+                                                 BIAS != 0)
     else:
         p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, None,
                                                  window_left, window_right, BLOCK_N, MASK, CAUSAL, LOCAL, s_layout,
-                                                 ROW_SUM_MMA)
+                                                 ROW_SUM_MMA, BIAS == 3)
     return p, alpha, m_new, l_new
 
 
@@ -279,7 +281,7 @@ def _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, bias, offsets, 
         entry = relative_bias_far_entry(start_n - (row0 + 63), start_n + (BLOCK_N - 1) - row0, rel_distance)
         s = relative_bias_log2(s, gl.expand_dims(offsets + start_n, 0), gl.expand_dims(rows, 1), entry, rel_row,
                                rel_distance)
-    if BIAS:
+    if BIAS == 1 or BIAS == 2:
         s = s + attn_bias_log2(bias)
     return s
 
@@ -364,20 +366,34 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
 @gluon.jit
 def _block_bias(score, start_n, seqlen_k, stage, BLOCK_N: gl.constexpr, MASK: gl.constexpr, BIAS: gl.constexpr,
                 s_layout: gl.constexpr):
-    """The attn_bias tile of the block from key start_n (in ring slot ``stage``) as stored, or 0 without
-    BIAS: BIAS 2 reads it from the ring (the score tuple holds the ring and this warpgroup's first tile in
-    it), BIAS 1 loads
-    it (scores.attn_bias_tile; the tuple holds its rows' pointers). Called right after S's wgmma is issued,
-    so that the reads fly with it."""
+    """The attn_bias tile of the block from key start_n (in ring slot ``stage``) as stored, for the softmax to
+    add, or 0 (no bias, or BIAS 3: S's start holds it): BIAS 2 reads it from the ring (the score tuple holds
+    the ring and this warpgroup's first tile in it), BIAS 1 loads it (scores.attn_bias_tile; the tuple holds
+    its rows' pointers). Called right after S's wgmma is issued, so that the reads fly with it."""
     _, _, _, _, _, _, _, _, bias_rows = score
     if BIAS == 2:
         ring, first = bias_rows
         bias = ring.index(first + stage).reshape([64, BLOCK_N]).load(s_layout)
-    elif BIAS:
+    elif BIAS == 1:
         bias = attn_bias_tile(bias_rows, start_n, seqlen_k, BLOCK_N, MASK, s_layout)
     else:
         bias = 0
     return bias
+
+
+@gluon.jit
+def _scores_start(score, stage, qk_scale_log2, BLOCK_N: gl.constexpr, BIAS: gl.constexpr, s_layout: gl.constexpr):
+    """S's accumulator start for the block in ring slot ``stage``: with BIAS 3 its attn_bias tile in raw score
+    units (bias / softmax_scale, so that S = Q K^T comes out with the bias added: nothing of it stays live
+    while the product runs, and the softmax is plain attention's), else zeros (the wgmma overwrites them)."""
+    if BIAS == 3:
+        _, _, _, _, _, _, _, _, bias_rows = score
+        ring, first = bias_rows
+        tile = ring.index(first + stage).reshape([64, BLOCK_N]).load(s_layout)
+        start = tile.to(gl.float32) * (LOG2E / qk_scale_log2)
+    else:
+        start = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    return start
 
 
 @gluon.jit
@@ -412,14 +428,14 @@ def _pipelined_blocks(q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_r
         stage, phase, prev = _wait_block_operands(k_ready, v_ready, kv0, j, NUM_STAGES)
         k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
         v_prev = v_smem.index(prev).reshape([BLOCK_N, V_DIM])
+        s_start = _scores_start(score, stage, qk_scale_log2, BLOCK_N, BIAS, s_layout)
         if PINGPONG:
             # Issue point number j of this warpgroup in this tile (the prologue was number 0).
             mbarrier.wait(my_turn, (turn0 + j) & 1)
-        s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         if SKIP_LAST_CHUNK:
-            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage), s_zero)
+            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage), s_start)
         else:
-            s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_op, k_t, s_start, use_acc=BIAS == 3, is_async=True)
         o_tok = warpgroup_mma(p_op, v_prev, acc, is_async=True)
         if ROW_SUM_MMA:
             l_tok = warpgroup_mma(p_op, ones_t, l_i, is_async=True)
@@ -531,7 +547,7 @@ def _half_last_block(q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     HALF: gl.constexpr = BLOCK_N // 2
     gl.static_assert((HEAD_DIM == 64) & (v_smem.shape[4] == 64), "TRIM_DIAGONAL: head dim 64 only")
-    gl.static_assert(BIAS != 2, "TRIM_DIAGONAL: attn_bias's tiles are loaded, not read from the ring")
+    gl.static_assert(BIAS < 2, "TRIM_DIAGONAL: attn_bias's tiles are loaded, not read from the ring")
     dtype: gl.constexpr = k_smem.dtype
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
@@ -617,6 +633,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     O_APART: gl.constexpr = PERSISTENT or (V_DIM != HEAD_DIM)
     # Head dims 136..192 in 256-wide tiles: S skips the all-zero last 64 columns.
     SKIP_LAST_CHUNK: gl.constexpr = (HEAD_DIM == 256) & (HEAD_DIM_TRUE <= 192)
+    gl.static_assert(not (SKIP_LAST_CHUNK and BIAS == 3), "S's start is zero where it skips a chunk")
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -645,7 +662,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, bias_head = score
     bias_head, stride_bias_m, bias_smem = bias_head
     bias_rows = 0
-    if BIAS == 2:
+    if BIAS >= 2:
         bias_rows = (bias_smem, CONSUMER * NUM_STAGES)
     elif BIAS:
         bias_rows = attn_bias_rows(bias_head, rows, seqlen_q, stride_bias_m)
@@ -683,14 +700,13 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         stage0 = (kv0 + n_first) % NUM_STAGES
         mbarrier.wait(k_ready.index(stage0), ((kv0 + n_first) // NUM_STAGES) & 1)
         k_t = k_smem.index(stage0).reshape([BLOCK_N, HEAD_DIM]).permute([1, 0])
+        s_start = _scores_start(score, stage0, qk_scale_log2, BLOCK_N, BIAS, s_layout)
         if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + n_first) & 1)
         if SKIP_LAST_CHUNK:
-            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage0),
-                                                gl.zeros([64, BLOCK_N], gl.float32, s_layout))
+            s_tok = _scores_skipping_zero_chunk(q_buf, k_smem.index(stage0), s_start)
         else:
-            s_tok = warpgroup_mma(q_op, k_t, gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                                  is_async=True)
+            s_tok = warpgroup_mma(q_op, k_t, s_start, use_acc=BIAS == 3, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
         bias = _block_bias(score, n_first * BLOCK_N, seqlen_k, stage0, BLOCK_N, True, BIAS, s_layout)
@@ -849,7 +865,7 @@ def _bias_source(attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_sm
     """The score tuple's attn_bias entry (_consume): the (batch, head)'s first element and the query stride
     that BIAS 1 loads from, and the tile ring that BIAS 2 reads (else 0)."""
     ring = 0
-    if BIAS == 2:
+    if BIAS >= 2:
         ring = bias_smem
     return attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS == 1), stride_bias_m, ring
 
@@ -963,8 +979,9 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     # head, query, key) view (bias_batches, bias_heads: its batch and head dims, 1 where it broadcasts),
     # whose (64 rows x key block) tiles come through the K ring.
     REL_BIAS: gl.constexpr = rel_bias_table is not None
-    # 0: no bias; 1: the consumers load it; 2: it comes through the ring.
-    BIAS: gl.constexpr = 2 * (bias_desc is not None) + (attn_bias is not None)
+    # 0: no bias; 1: the consumers load it and the softmax adds it; through the ring, 2: the softmax adds it
+    # (after softcap), 3: it starts S's accumulator (_scores_start).
+    BIAS: gl.constexpr = (3 - SOFTCAP) * (bias_desc is not None) + (attn_bias is not None)
     # V's (and O's) head dim when it differs from Q's and K's (v_desc's and o_desc's boxes are its padded
     # width); None: the same.
     V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
@@ -984,7 +1001,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
 
     if bias_desc is not None:
         # Consumer c's tile of ring slot i is tile c * NUM_STAGES + i.
-        bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_CONSUMERS * NUM_STAGES] + bias_desc.block_type.shape,
+        bias_smem = gl.allocate_shared_memory(bias_desc.dtype,
+                                              [NUM_CONSUMERS * NUM_STAGES] + bias_desc.block_type.shape,
                                               bias_desc.layout)
     else:
         bias_smem: gl.constexpr = None
