@@ -83,9 +83,9 @@ def _hopper_takes_mods(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     if mods is None or mods.relative_bias_table is not None:
         return True
     # attn_bias alone, 16-bit, varying along the keys (one along the queries only changes no probability):
-    # the consumers load it beside the scores (kernels/hopper/scores.attn_bias_tile, attn_bias_tile_t). At
-    # head dim 64 the portable forward was the faster (docs/experiments.md), 256 is unmeasured, and a
-    # float32 bias's tiles overflow shared memory on their way into the scores' layout. The backward
+    # its tiles come through the kernels' TMA rings, or the consumers load them (kernels/hopper/forward.py,
+    # backward.py). At head dim 64 the portable forward was the faster (docs/experiments.md), 256 is
+    # unmeasured, and a float32 bias's tiles overflow shared memory. The backward
     # writes the bias's gradient when it varies along queries and keys (stored, or added up over the
     # batch and heads); one summed along either axis stays portable.
     bias = mods.attn_bias
