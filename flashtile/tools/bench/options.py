@@ -26,8 +26,9 @@ when dv = d), 3.5x that for forward + backward. "ft/plain" is flashtile's TFLOP/
 TFLOP/s of the same mask class (causal-shaped sets against plain-causal, the others against plain-full),
 all in the same run; "ft/flex" over compiled FlexAttention with the same block mask and score_mod (the
 bias read from its tensor), "ft/sdpa-efficient" over SDPA's memory-efficient backend (bias sets),
-"ft/sdpa" over SDPA with its own backend choice (plain sets). Every system's output (flashtile's
-gradients too) is checked on the first batch element against a float32 reference.
+"ft/sdpa" over SDPA with its own backend choice (plain sets), "ft/fa4" over FlashAttention-4 where a set
+is one of its arguments (causal, window_size, softcap, learnable_sink). Every system's output
+(flashtile's gradients too) is checked on the first batch element against a float32 reference.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 
+from . import anchors
 from .common import (add_common_arguments, check_heads, check_out_dir, check_smoke_sizes, choice_list, collect_meta,
                      default_out_dir, failure_reason, fill_defaults, free_device_memory, mode_records, parse_size,
                      Progress, relative_error, require_torch, run_device, size_list, timed_call, warm_up_gpu,
@@ -48,7 +50,9 @@ SETS = ("plain-causal", "plain-full", "window-causal", "window-both", "softcap-c
         "mod-relbias-causal", "mask-window", "mask-document", "bias-full", "bias-causal")
 ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod",
            "sdpa-efficient": "SDPA's memory-efficient backend with the bias as attn_mask (the bias sets only)",
-           "sdpa": "SDPA with PyTorch's own backend choice (cuDNN on Hopper; the plain sets only)"}
+           "sdpa": "SDPA with PyTorch's own backend choice (cuDNN on Hopper; the plain sets only)",
+           "fa4": "FlashAttention-4 (flash_attn.cute) where a set is one of its arguments: causal, window_size, "
+                  "softcap, learnable_sink; where importable"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
 SMOKE_DEFAULTS = {"headdims": [32], "seqlen": 64, "tokens": 64, "heads": 2, "window": 16, "dtype": "fp16"}
@@ -291,8 +295,33 @@ def sdpa_system(p: Problem):
     return attn
 
 
+def fa4_system(p: Problem):
+    """FlashAttention-4's flash_attn_func with the sets it takes as arguments (its score and mask mods are
+    CuTe DSL functions, which this benchmark does not write: ALiBi, the relative bias, the document mask
+    and the bias sets are left to FlexAttention)."""
+    o = p.options
+    if o["alibi"] or o["mod"] or o["bias"] or o["mask"] == "document":
+        raise ValueError("FA4 takes these sets only as CuTe DSL score / mask mods, not written here")
+    found = anchors.fa4()
+    if not found.available:
+        raise ValueError(f"FA4 {found.status}")
+    left, right = o["window_size"]
+    if o["mask"] == "window":
+        left, right = o["mask_window"], 0
+    kwargs = dict(causal=o["causal"] or o["mask"] == "window", softcap=o["softcap"])
+    if left >= 0 or right >= 0:
+        kwargs["window_size"] = (None if left < 0 else left, None if right < 0 else right)
+    if p.sink is not None:
+        kwargs["learnable_sink"] = p.sink
+
+    def attn(q, k, v):
+        return anchors.fa4_output(found.module.flash_attn_func(q, k, v, **kwargs))
+
+    return attn
+
+
 SYSTEMS = {"flashtile": flashtile_system, "flex": flex_system, "sdpa-efficient": sdpa_efficient_system,
-           "sdpa": sdpa_system}
+           "sdpa": sdpa_system, "fa4": fa4_system}
 
 
 def reference(p: Problem, with_grads: bool) -> dict:
@@ -419,13 +448,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--modes", type=choice_list(MODES), default=["fwd"], help="fwd, fwd_bwd (default: fwd)")
     add("--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: bf16; fp16 when smoke)")
     add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
-        default=None, help="anchors timed in the same run: flex, sdpa-efficient, sdpa; 'none' for flashtile alone "
-                           "(default: both; none with --interpret-smoke)")
+        default=None, help="anchors timed in the same run: flex, sdpa-efficient, sdpa, fa4; 'none' for flashtile "
+                           "alone (default: all, fa4 where it imports; none with --interpret-smoke)")
     add_common_arguments(parser)
 
 
 def resolve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    fill_defaults(args, SMOKE_DEFAULTS, GPU_DEFAULTS, ANCHORS)
+    # FA4 by default only where it imports (it is not a dependency: anchors.py).
+    fill_defaults(args, SMOKE_DEFAULTS, GPU_DEFAULTS,
+                  [name for name in ANCHORS if name != "fa4" or anchors.fa4().available])
     if args.tokens < args.seqlen:
         parser.error(f"--tokens {args.tokens} is less than one sequence of --seqlen {args.seqlen}")
     check_heads(parser, args)
