@@ -27,7 +27,8 @@ TFLOP/s of the same mask class (causal-shaped sets against plain-causal, the oth
 all in the same run; "ft/flex" over compiled FlexAttention with the same block mask and score_mod (the
 bias read from its tensor), "ft/sdpa-efficient" over SDPA's memory-efficient backend (bias sets),
 "ft/sdpa" over SDPA with its own backend choice (plain sets), "ft/fa4" over FlashAttention-4 where a set
-is one of its arguments (causal, window_size, softcap, learnable_sink). Every system's output
+is one of its arguments (causal, window_size, softcap, learnable_sink), "ft/flex-fa4" over FlexAttention's
+FLASH backend, FA4's kernels compiled with Flex's score_mod and block mask. Every system's output
 (flashtile's gradients too) is checked on the first batch element against a float32 reference.
 """
 
@@ -52,7 +53,9 @@ ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and s
            "sdpa-efficient": "SDPA's memory-efficient backend with the bias as attn_mask (the bias sets only)",
            "sdpa": "SDPA with PyTorch's own backend choice (cuDNN on Hopper; the plain sets only)",
            "fa4": "FlashAttention-4 (flash_attn.cute) where a set is one of its arguments: causal, window_size, "
-                  "softcap, learnable_sink; where importable"}
+                  "softcap, learnable_sink; where importable",
+           "flex-fa4": "FlexAttention's FLASH backend: FA4's CuTe kernels running Flex's score_mod and block mask "
+                       "(experimental in torch); where FA4 imports"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2}
 SMOKE_DEFAULTS = {"headdims": [32], "seqlen": 64, "tokens": 64, "heads": 2, "window": 16, "dtype": "fp16"}
@@ -199,8 +202,17 @@ def flashtile_system(p: Problem):
     return lambda q, k, v: flash_attn_func(q, k, v, **kwargs)
 
 
-def flex_system(p: Problem):
-    """FlexAttention with the options as a block mask (causal, window) and a score_mod (softcap, ALiBi)."""
+def flex_fa4_system(p: Problem):
+    """FlexAttention on its FLASH backend (FA4's kernels compiled with the same score_mod and block mask)."""
+    found = anchors.fa4()
+    if not found.available:
+        raise ValueError(f"FA4 {found.status}")
+    return flex_system(p, {"BACKEND": "FLASH"})
+
+
+def flex_system(p: Problem, kernel_options=None):
+    """FlexAttention with the options as a block mask (causal, window) and a score_mod (softcap, ALiBi);
+    kernel_options: its backend's (flex_fa4_system's)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -248,6 +260,8 @@ def flex_system(p: Problem):
 
     flex = compiled_flex_attention()
     kwargs = {"enable_gqa": True} if p.nheads_k != p.nheads else {}
+    if kernel_options:
+        kwargs["kernel_options"] = kernel_options
     if cap > 0 or slopes is not None or table is not None or bias is not None:
         kwargs["score_mod"] = score_mod
 
@@ -321,7 +335,7 @@ def fa4_system(p: Problem):
 
 
 SYSTEMS = {"flashtile": flashtile_system, "flex": flex_system, "sdpa-efficient": sdpa_efficient_system,
-           "sdpa": sdpa_system, "fa4": fa4_system}
+           "sdpa": sdpa_system, "fa4": fa4_system, "flex-fa4": flex_fa4_system}
 
 
 def reference(p: Problem, with_grads: bool) -> dict:
@@ -448,15 +462,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--modes", type=choice_list(MODES), default=["fwd"], help="fwd, fwd_bwd (default: fwd)")
     add("--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: bf16; fp16 when smoke)")
     add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
-        default=None, help="anchors timed in the same run: flex, sdpa-efficient, sdpa, fa4; 'none' for flashtile "
-                           "alone (default: all, fa4 where it imports; none with --interpret-smoke)")
+        default=None, help="anchors timed in the same run: flex, sdpa-efficient, sdpa, fa4, flex-fa4; 'none' for "
+                           "flashtile alone (default: all, the FA4 ones where it imports; none with --interpret-smoke)")
     add_common_arguments(parser)
 
 
 def resolve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
     # FA4 by default only where it imports (it is not a dependency: anchors.py).
     fill_defaults(args, SMOKE_DEFAULTS, GPU_DEFAULTS,
-                  [name for name in ANCHORS if name != "fa4" or anchors.fa4().available])
+                  [name for name in ANCHORS if "fa4" not in name or anchors.fa4().available])
     if args.tokens < args.seqlen:
         parser.error(f"--tokens {args.tokens} is less than one sequence of --seqlen {args.seqlen}")
     check_heads(parser, args)
