@@ -145,8 +145,8 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         return None, _options_off_hopper(kernel, params, q.shape[-1])
     if kernel == BWD_GLUON and not values_supported(q.shape[-1], v.shape[-1]):
         return None, (f"v has head dim {v.shape[-1]} and q has {q.shape[-1]}: the Hopper backward takes a value head "
-                      "dim of its own only with q, k head dims above 128 and v head dims of 65 or more (the portable "
-                      "one takes any)")
+                      "dim of its own no wider than q's tiles with q, k head dims up to 128, and of 65 or more with "
+                      "q, k head dims above 128 (the portable one takes any)")
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):

@@ -15,9 +15,11 @@ from flashtile.reference import attention_naive, attention_varlen_naive
 from _cases import DEVICE, DTYPES, ON_GPU, check_against_reference, make_packed_qkv, make_qkv, randn
 
 # (head_dim_qk, head_dim_v): narrower and wider values, both not powers of two.
-# On the GPU: the Hopper forward and backward (192 / 128, and 256 / 96: padded value tiles), the Hopper
-# forward with the portable backward (128 / 256), the portable kernels (64 / 200).
-DIMS = [(40, 24), (32, 72)] if not ON_GPU else [(192, 128), (256, 96), (128, 256), (64, 200)]
+# On the GPU: the Hopper forward and backward (192 / 128, and 256 / 96: padded value tiles; 128 / 64 and
+# 96 / 128 on the two-warpgroup backward), the Hopper forward with the portable backward (128 / 256), the
+# portable kernels (64 / 200).
+DIMS = ([(40, 24), (32, 72)] if not ON_GPU
+        else [(192, 128), (256, 96), (128, 64), (96, 128), (128, 256), (64, 200)])
 SEQLENS = [(113, 203), (1, 37), (60, 37)] if not ON_GPU else [(1023, 1023), (113, 1500), (1, 4096)]
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (16, 8))]
 
@@ -66,8 +68,9 @@ def test_deterministic_is_bit_identical():
 
 
 @pytest.mark.parametrize("seqused", [False, True])
-def test_varlen(seqused):
-    dims, dtype = DIMS[0], DTYPES[0]
+@pytest.mark.parametrize("which", [0, 2] if ON_GPU else [0])
+def test_varlen(seqused, which):
+    dims, dtype = DIMS[which], DTYPES[0]
     q, k, _, cu_q, cu_k = make_packed_qkv([30, 1, 47, 0], [40, 9, 60, 5], 4, 2, dims[0], dtype)
     v = randn(k.shape[0], 2, dims[1], dtype=dtype, requires_grad=True)
     used = {}
@@ -144,14 +147,17 @@ def test_with_sink_bias_and_score_mod():
 
 def test_hopper_path_says_why():
     """The Hopper forward takes head_dim_v != head_dim_qk at the head dims it has tiles for, the backward
-    with q, k head dims above 128 and v head dims above 64."""
+    with value tiles no wider than the queries' up to head dim 128, and v head dims above 64 beyond it."""
     q, k, v = make(1, 256, 256, 4, 4, (192, 128), DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, causal=True, device_capability=(9, 0))
     assert explanation.forward.path == "hopper" and explanation.backward.path == "hopper"
     q, k, v = make(1, 256, 256, 4, 4, (128, 64), DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, causal=True, device_capability=(9, 0))
+    assert explanation.forward.path == "hopper" and explanation.backward.path == "hopper"
+    q, k, v = make(1, 256, 256, 4, 4, (64, 128), DTYPES[0], requires_grad=False)
+    explanation = flashtile.explain(q, k, v, causal=True, device_capability=(9, 0))
     assert explanation.forward.path == "hopper"
-    assert explanation.backward.path == "portable" and "v has head dim 64 and q has 128" in explanation.backward.reason
+    assert explanation.backward.path == "portable" and "v has head dim 128 and q has 64" in explanation.backward.reason
     # A value head dim the Hopper kernels have no tiles for.
     q, k, v = make(1, 256, 256, 4, 4, (128, 40), DTYPES[0], requires_grad=False)
     explanation = flashtile.explain(q, k, v, device_capability=(9, 0))

@@ -399,7 +399,7 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
 def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper backward (GQA: half as many KV heads), dense and packed, up to
     head dim 128 a dense batch with every score option and one with a relative-bias table, at head dim
-    128 one with an attn_bias and its gradient, and at head dim 256 a dense batch whose values have half
+    128 one with an attn_bias and its gradient, and from head dim 128 a dense batch whose values have half
     the head dim."""
     h, hk = 2048 // d, 2048 // d // 2
     params = _params(causal)
@@ -420,7 +420,7 @@ def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
         builds.append(("relative-bias", lambda: gluon_backward(*dense, _relative_bias_params(causal, h), cfg, pre)))
     if d == 128:
         builds.append(("attn-bias", lambda: gluon_backward(*dense, _attn_bias_params(causal, h, 1024), cfg, pre)))
-    if d == 256:
+    if d >= 128:
         builds.append(("head-dim-v", lambda: gluon_backward(*_half_values(list(dense)), params, cfg, pre)))
     return builds
 

@@ -427,7 +427,8 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                   s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, first_it=0,
                   OPAQUE_KV: gl.constexpr = False, score=None, LOCAL: gl.constexpr = False,
                   SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False, REL_BIAS: gl.constexpr = False,
-                  BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0, bias_smem=None):
+                  BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0, bias_smem=None,
+                  av_layout: gl.constexpr = None):
     """Query blocks [m_start, m_stop) of one query head: accumulate dK, dV, and reduce-add the dQ
     of the block before each (its dS^T halves are in shared memory by then: the warpgroups need
     not meet every block, so one's elementwise phase can overlap the other's wgmmas). prev_row,
@@ -444,10 +445,11 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     starts S^T's accumulator instead, in score units: it is not live while the products run, and without
     ALiBi P^T comes out as plain attention's."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    V_DIM: gl.constexpr = v_smem.shape[4]
     dtype: gl.constexpr = k_smem.dtype
     diag = seqlen_k - seqlen_q
     k_mine = k_smem.index(CONSUMER).reshape([_KPC, HEAD_DIM])
-    v_mine = v_smem.index(CONSUMER).reshape([_KPC, HEAD_DIM])
+    v_mine = v_smem.index(CONSUMER).reshape([_KPC, V_DIM])
     keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse_to_score = 1.0 / qk_scale_log2
@@ -469,11 +471,11 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         start_m = m * BLOCK_M
         mbarrier.wait(q_ready.index(slot), (it // NUM_STAGES) & 1)
         q_buf = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do_buf = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_buf = do_smem.index(slot).reshape([BLOCK_M, V_DIM])
         if OPAQUE_KV:
             zero = _opaque_zero(it)
             k_cur = k_smem.index(CONSUMER + zero).reshape([_KPC, HEAD_DIM])
-            v_cur = v_smem.index(CONSUMER + zero).reshape([_KPC, HEAD_DIM])
+            v_cur = v_smem.index(CONSUMER + zero).reshape([_KPC, V_DIM])
         else:
             zero = 0
             k_cur = k_mine
@@ -548,7 +550,11 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
                 ds_bias = ds.to(dtype)  # the bias adds to the capped score: dS^T before softcap's derivative
             ds = ds * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
         ds = ds.to(dtype)
-        p_op = gl.convert_layout(p.to(dtype), a_layout)
+        if av_layout is None:
+            p_op = gl.convert_layout(p.to(dtype), a_layout)
+        else:
+            # dV's accumulator is V_DIM wide (head_dim_v != head_dim_qk): P^T as its operand.
+            p_op = gl.convert_layout(p.to(dtype), av_layout)
         dv_tok = warpgroup_mma(p_op, do_buf, dv, is_async=True)
         ds_op = gl.convert_layout(ds, a_layout)
         dk_tok = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
@@ -622,14 +628,18 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
                   softcap_scale=0.0, softcap_log2=0.0, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
                   ALIBI: gl.constexpr = False, rel_bias_table=None, rel_bias_distance=0,
                   REL_BIAS: gl.constexpr = False, attn_bias=None, bias_grad=None, BIAS: gl.constexpr = False,
-                  BIAS_GRAD: gl.constexpr = 0, bias_smem=None):
+                  BIAS_GRAD: gl.constexpr = 0, bias_smem=None, HEAD_DIM_V_TRUE: gl.constexpr = None):
     """This warpgroup's share of the key block at start_n: its dK, dV over every query block that
     sees the key block, its share of their dQ. A persistent CTA (kv_empty given) starts at ring
     position it0 with K, V already waited for, and returns the position after its last block.
     batch (the batch or packed sequence, for ALiBi's (b, h) slopes) onwards: the score options;
     attn_bias, bias_grad: (tensor, batch stride, head stride, query stride) of the bias and of its
-    gradient's buffer (BIAS, BIAS_GRAD); bias_smem: the bias tiles' ring (the tensor is then None)."""
+    gradient's buffer (BIAS, BIAS_GRAD); bias_smem: the bias tiles' ring (the tensor is then None).
+    V, dO, dV may be narrower or wider than Q, K (head_dim_v != head_dim_qk: v_smem's tile width,
+    HEAD_DIM_V_TRUE of its columns in the tensors)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    V_DIM: gl.constexpr = v_smem.shape[4]
+    V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
     DQ_N: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -640,13 +650,20 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
     # P^T, dS^T feed wgmma as register A operands; with matching M tiling this layout is the
     # S^T accumulator layout, so the conversion moves no data.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if V_DIM != HEAD_DIM:
+        accv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, V_DIM, 16])
+        av_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accv_layout, k_width=2)
+    else:
+        accv_layout: gl.constexpr = acc_layout
+        av_layout: gl.constexpr = None
 
     key0 = start_n + CONSUMER * _KPC
     m_lo, m_full, m_tail, m_end = query_block_range(start_n, seqlen_q, seqlen_k, BLOCK_M, _BN, CAUSAL, LOCAL,
                                                     window_left, window_right)
 
     dk = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([_KPC, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([_KPC, V_DIM], gl.float32, accv_layout)
     PERSISTENT: gl.constexpr = kv_empty is not None
     if not PERSISTENT:
         mbarrier.wait(kv_ready, 0)
@@ -663,19 +680,19 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
-            BIAS, BIAS_GRAD, bias_smem)
+            BIAS, BIAS_GRAD, bias_smem, av_layout)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
-            BIAS, BIAS_GRAD, bias_smem)
+            BIAS, BIAS_GRAD, bias_smem, av_layout)
         it, dk, dv, prev_row, prev_head = _query_blocks(
             it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
             delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
             seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
-            BIAS, BIAS_GRAD, bias_smem)
+            BIAS, BIAS_GRAD, bias_smem, av_layout)
 
     if it > it0:
         # dQ of the last query block.
@@ -713,7 +730,7 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
                 _store_rows(dk_ptr, stride_dk_s, stride_dk_h, k_start + key0, kv_head, 0,
                             (dk * softmax_scale).to(k_smem.dtype), seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
                 _store_rows(dv_ptr, stride_dv_s, stride_dv_h, k_start + key0, kv_head, 0, dv.to(v_smem.dtype),
-                            seqlen_k - key0, acc_layout, HEAD_DIM_TRUE)
+                            seqlen_k - key0, accv_layout, V_TRUE)
                 # The last dQ reduce-add must have read its staging before the CTA exits.
                 tma.store_wait(0)
         else:
@@ -749,6 +766,7 @@ def _store_dkdv_staged(dk, dv, dq_smem, dk_desc, dv_desc, tma_batch, row, kv_hea
     for both 16-bit tiles) once the last dQ reduce-add has read it, and store them with TMA. No wait
     for the stores: the next reduce-add's wait for its staging covers them (and the CTA's last)."""
     gl.static_assert(dq_smem.shape[4] * 4 == 2 * dk_desc.block_type.shape[3] * 2, "dK + dV fill a dQ staging tile")
+    gl.static_assert(dv_desc.block_type.shape[3] == dk_desc.block_type.shape[3], "dV as wide as dK (head_dim_v)")
     tiles = reinterpret(dq_smem.index(CONSUMER), dk_desc.dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
     # The wait is the issuing thread's: the barrier holds every thread until it has returned.
     tma.store_wait(0)
@@ -767,7 +785,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr, IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr,
               COUNT_DONE: gl.constexpr, HEADS_FIRST: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, rel_bias_table, rel_bias_distance, REL_BIAS: gl.constexpr, attn_bias, bias_grad,
-              BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, bias_smem):
+              BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, bias_smem, HEAD_DIM_V_TRUE: gl.constexpr):
     key_block, kv_head = _key_block_and_head(HEADS_FIRST)
     start_n = key_block * _BN
     tma_batch, q_start, k_start, seqlen_q, seqlen_k = backward_sequence(cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -785,7 +803,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                       CONSUMER, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE, 0, None,
                       gl.program_id(2), alibi_slopes, stride_alibi_b, window_left, window_right, softcap_scale,
                       softcap_log2, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS, attn_bias,
-                      bias_grad, BIAS, BIAS_GRAD, bias_smem)
+                      bias_grad, BIAS, BIAS_GRAD, bias_smem, HEAD_DIM_V_TRUE)
     if COUNT_DONE:
         _warpgroup_writes_landed(stored)
 
@@ -862,14 +880,16 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                           stride_alibi_b=0, rel_bias_table=None, rel_bias_distance=0, attn_bias=None, stride_bias_b=0,
                           stride_bias_h=0, stride_bias_m=0, bias_grad=None, stride_grad_b=0, stride_grad_h=0,
                           stride_grad_m=0, BIAS_GRAD: gl.constexpr = 0, bias_desc=None, bias_batches=1,
-                          bias_heads=1):
+                          bias_heads=1, HEAD_DIM_V_TRUE: gl.constexpr = None):
     # rel_bias_table, attn_bias: as the forward's (forward.py), or None. bias_grad: the buffer of
     # attn_bias's gradient, stored into (BIAS_GRAD 1) or added into (2) as scores.attn_bias_grad_t says.
     # bias_desc: instead of attn_bias, a descriptor of its (batch, head, query, key) view, whose (query
     # block x key block) tiles come through the Q / dO ring (bias_batches, bias_heads: its batch and head
-    # dims, 1 where it broadcasts).
+    # dims, 1 where it broadcasts). HEAD_DIM_V_TRUE: V's (dO's, dV's) head dim when it differs from Q's and K's
+    # (v_desc's, do_desc's and dv_desc's boxes are its padded width); None: the same.
     REL_BIAS: gl.constexpr = rel_bias_table is not None
     BIAS: gl.constexpr = attn_bias is not None or bias_desc is not None
+    V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
     if bias_desc is not None:
         bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
                                               bias_desc.layout)
@@ -893,7 +913,7 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                      stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
                      stride_alibi_b, 0, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
                      COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS, bias,
-                     grad, BIAS, BIAS_GRAD, bias_smem)),
+                     grad, BIAS, BIAS_GRAD, bias_smem, V_TRUE)),
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
                      q_empty, ds_ready, ds_free, done, dk_desc, dv_desc, dq_desc,
                      seqlen_q, seqlen_k, nheads, head_group, qk_scale_log2, softmax_scale,
@@ -901,7 +921,7 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                      stride_dv_h, stored, window_left, window_right, softcap_scale, softcap_log2, alibi_slopes,
                      stride_alibi_b, 1, BLOCK_M, NUM_STAGES, CAUSAL, DQ_SPLIT_M, IS_VARLEN, HEAD_DIM_TRUE,
                      COUNT_DONE, HEADS_FIRST, LOCAL, SOFTCAP, ALIBI, rel_bias_table, rel_bias_distance, REL_BIAS, bias,
-                     grad, BIAS, BIAS_GRAD, bias_smem)),
+                     grad, BIAS, BIAS_GRAD, bias_smem, V_TRUE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                    lse_smem, delta_smem, kv_ready, q_ready, q_empty, seqlen_q, seqlen_k, nheads, head_group,
                    lse_row_stride, cu_seqlens_q, cu_seqlens_k, seqused_q, lse_ptr, delta_ptr, done_counts, stored,

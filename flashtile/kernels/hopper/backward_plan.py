@@ -83,7 +83,7 @@ def _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta, cfg):
     not a power of two (96, 192) runs the kernel of the next one with boxes of that width: TMA
     zero-fills the missing columns on loads (every product stays exact, the padded columns of dK,
     dV, dQ come out zero) and clips them on stores and reduce-adds. V, dO, dV may have a head dim of
-    their own (the head-dim-256 kernel only: see values_supported), whose padded width their boxes take."""
+    their own (see values_supported), whose padded width their boxes take."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     loads = (DescriptorTemplate(q, cfg.block_m, block_d), DescriptorTemplate(dout, cfg.block_m, block_dv),
@@ -103,7 +103,7 @@ def _descriptor_templates(q, dout, k, v, dk, dv, dq_acc, lse_log2, delta, cfg):
         return loads + stores + rows, gluon_attn_bwd_d256_kernel, KEYS_PER_CONSUMER, {"DQ_OVERLAP": cfg.dq_overlap,
                                                                                       **extra}
     dq_cols = block_d if cfg.dq_split_m else block_d // NUM_CONSUMERS
-    stores = (DescriptorTemplate(dk, KEYS_PER_CONSUMER, block_d), DescriptorTemplate(dv, KEYS_PER_CONSUMER, block_d),
+    stores = (DescriptorTemplate(dk, KEYS_PER_CONSUMER, block_d), DescriptorTemplate(dv, KEYS_PER_CONSUMER, block_dv),
               DescriptorTemplate(dq_acc, KEYS_PER_CONSUMER, dq_cols))
     # K/V staging doubles as the dK/dV store source: same box, same layout.
     assert loads[2].layout == stores[0].layout and loads[3].layout == stores[1].layout
@@ -157,9 +157,9 @@ class BackwardPlan:
         heads_first = cfg.heads_first and not varlen
         grid = (nheads_k, key_blocks, n_seqs) if heads_first else (key_blocks, nheads_k, n_seqs)
         # Persistent (dense batches; its dK, dV staging needs the 64 x 64 float32 dQ tiles of head
-        # dim 64 with block_m 128): as many CTAs as SMs, at most one per key block.
+        # dim 64 with block_m 128, and dV as wide as dK): as many CTAs as SMs, at most one per key block.
         self.persistent = (cfg.persistent and not varlen and key_blocks > 0 and padded_head_dim(head_dim) == 64
-                           and cfg.dq_split_m)
+                           and cfg.dq_split_m and v.shape[-1] == head_dim)
         if key_blocks == 0:
             self.main = None
         elif self.persistent:

@@ -27,9 +27,14 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 
 def values_supported(head_dim: int, head_dim_v: int) -> bool:
     """Whether the Hopper backward takes values of head dim ``head_dim_v`` with queries and keys of
-    ``head_dim``: the same, or the head-dim-256 kernel (head dims above 128) with a value tile of 128 or
-    256 columns (each warpgroup owns half of it)."""
-    return head_dim_v == head_dim or (padded_head_dim(head_dim) == 256 and padded_head_dim(head_dim_v) >= 128)
+    ``head_dim``: the same; with head dims up to 128 (the two-warpgroup kernel) a value tile no wider
+    than the query's (a wider one overflows shared memory at head dim 64's block of 128 queries); above
+    128 (the head-dim-256 kernel) one of 128 or 256 columns (each warpgroup owns half of it)."""
+    if head_dim_v == head_dim:
+        return True
+    if padded_head_dim(head_dim) == 256:
+        return padded_head_dim(head_dim_v) >= 128
+    return padded_head_dim(head_dim_v) <= padded_head_dim(head_dim)
 
 
 def tma_misalignment(name: str, t: torch.Tensor) -> Optional[str]:
