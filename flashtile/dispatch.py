@@ -85,15 +85,14 @@ def _hopper_takes_mods(kernel: str, params: ScoreParams, head_dim: int) -> bool:
     # attn_bias alone, 16-bit, varying along the keys (one along the queries only changes no probability):
     # its tiles come through the kernels' TMA rings, or the consumers load them (kernels/hopper/forward.py,
     # backward.py). At head dim 64 the portable forward was the faster (docs/experiments.md), 256 is
-    # unmeasured, and a float32 bias's tiles overflow shared memory. The backward
-    # writes the bias's gradient when it varies along queries and keys (stored, or added up over the
-    # batch and heads); one summed along either axis stays portable.
+    # unmeasured, and a float32 bias's tiles overflow shared memory. The backward writes the bias's
+    # gradient: stored, added up over the batch and heads, or summed along the queries.
     bias = mods.attn_bias
     if (bias is None or mods.mask_mod is not None or mods.block_mask is not None or bias.read.shape[-1] == 1
             or bias.read.element_size() != 2 or padded_head_dim(head_dim) != 128):
         return False
-    return kernel == FWD_GLUON or mods.dq_score_mod_bwd in (None, builtin.attn_bias_grad_store,
-                                                            builtin.attn_bias_grad)
+    return kernel == FWD_GLUON or mods.dq_score_mod_bwd in (
+        None, builtin.attn_bias_grad_store, builtin.attn_bias_grad, builtin.attn_bias_grad_sum_queries)
 
 
 def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
@@ -104,10 +103,6 @@ def _options_off_hopper(kernel: str, params: ScoreParams, head_dim: int) -> str:
     if params.softmax_scale <= 0:
         return f"softmax_scale={params.softmax_scale} <= 0: the Hopper kernels take positive scales"
     if not _hopper_takes_mods(kernel, params, head_dim):
-        if (kernel == BWD_GLUON and params.mods.attn_bias is not None
-                and _hopper_takes_mods(FWD_GLUON, params, head_dim)):
-            return ("attn_bias's gradient summed along the queries or the keys (the bias broadcasts along one): "
-                    "the Hopper backward writes gradients that vary along both; the portable backward computes it")
         return (f"{' and '.join(params.mods.names())}: the Hopper kernels take no user mods (the portable ones do; "
                 "the Hopper kernels take mods.relative_bias alone, and attn_bias alone: float16 or bfloat16, "
                 "varying along the keys, at head dims 65 to 128)")

@@ -345,14 +345,20 @@ def _mod_params(causal: bool, nheads: int, seqlen: int) -> ScoreParams:
     return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, mods=mods)
 
 
-def _attn_bias_params(causal: bool, nheads: int, seqlen: int, queries: int = 0,
+def _attn_bias_params(causal: bool, nheads: int, seqlen: int, layout: str = "tiles",
                       softcap: float = 0.0) -> ScoreParams:
-    """attn_bias (1, nheads, queries or seqlen, seqlen), shared by the batch, with the dQ kernel's gradient
-    accumulation (mods.resolve_attn_bias, AttnBias.backward_mods), and softcap. One query row (a bias broadcast
-    along the queries): the Hopper kernels load its tiles, having no TMA descriptor for it."""
+    """attn_bias (1, nheads, seqlen, seqlen), shared by the batch, with the dQ kernel's gradient
+    accumulation (mods.resolve_attn_bias, AttnBias.backward_mods), and softcap. layout "row": one query row
+    (a bias broadcast along the queries); "padded": rows 4 keys longer than the call's, which no TMA
+    descriptor covers (the Hopper kernels load its tiles); "tiles": neither (they come through the rings)."""
     from ..mods import resolve_mods
 
-    bias = _empty(1, nheads, queries or seqlen, seqlen)
+    if layout == "row":
+        bias = _empty(1, nheads, 1, seqlen)
+    elif layout == "padded":
+        bias = _empty(1, nheads, seqlen, seqlen + 4)[..., :seqlen]
+    else:
+        bias = _empty(1, nheads, seqlen, seqlen)
     mods = resolve_mods(None, None, None, None, None, 2, nheads, seqlen, seqlen, bias.device, attn_bias=bias)
     mods, _ = mods.attn_bias.backward_mods(mods)
     return ScoreParams(softmax_scale=0.1, window_right=0 if causal else -1, softcap=softcap, mods=mods)
@@ -370,8 +376,8 @@ def _relative_bias_params(causal: bool, nheads: int) -> ScoreParams:
 def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper forward: a dense batch, a packed one, a dense batch with every
     score option at once (a sliding window, softcap, (b, h) ALiBi slopes), one with a relative-bias
-    table, at head dim 128 three with an attn_bias (dispatch.hopper_takes: through the ring, loaded, and with
-    softcap, which the bias follows), and
+    table, at head dim 128 four with an attn_bias (dispatch.hopper_takes: through the ring, its tiles loaded,
+    one row loaded, and with softcap, which the bias follows), and
     from head dim 128 a dense batch whose values have half the head dim (head_dim_v != head_dim_qk)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
@@ -386,8 +392,10 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
               ("relative-bias", lambda: gluon_forward(q, q, q, out, lse, _relative_bias_params(causal, h), cfg))]
     if d == 128:
         builds.append(("attn-bias", lambda: gluon_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 1024), cfg)))
-        builds.append(("attn-bias-loads", lambda: gluon_forward(q, q, q, out, lse,
-                                                                _attn_bias_params(causal, h, 1024, 1), cfg)))
+        builds.append(("attn-bias-padded", lambda: gluon_forward(q, q, q, out, lse,
+                                                                 _attn_bias_params(causal, h, 1024, "padded"), cfg)))
+        builds.append(("attn-bias-row", lambda: gluon_forward(q, q, q, out, lse,
+                                                              _attn_bias_params(causal, h, 1024, "row"), cfg)))
         builds.append(("attn-bias-softcap", lambda: gluon_forward(q, q, q, out, lse, _attn_bias_params(
             causal, h, 1024, softcap=20.0), cfg)))
     if d >= 128:
@@ -399,8 +407,8 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
 def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     """(layout, build) of the Hopper backward (GQA: half as many KV heads), dense and packed, up to
     head dim 128 a dense batch with every score option and one with a relative-bias table, at head dim
-    128 one with an attn_bias and its gradient, and from head dim 128 a dense batch whose values have half
-    the head dim."""
+    128 two with an attn_bias and its gradient (through the ring; one row, its gradient summed along the
+    queries), and from head dim 128 a dense batch whose values have half the head dim."""
     h, hk = 2048 // d, 2048 // d // 2
     params = _params(causal)
     pre = table_config(BWD_PREPROCESS, ARCH, d, causal, 4096, dtype)
@@ -420,6 +428,8 @@ def gluon_bwd_builds(d: int, cfg, causal: bool, dtype) -> list:
         builds.append(("relative-bias", lambda: gluon_backward(*dense, _relative_bias_params(causal, h), cfg, pre)))
     if d == 128:
         builds.append(("attn-bias", lambda: gluon_backward(*dense, _attn_bias_params(causal, h, 1024), cfg, pre)))
+        builds.append(("attn-bias-row", lambda: gluon_backward(*dense, _attn_bias_params(causal, h, 1024, "row"), cfg,
+                                                               pre)))
     if d >= 128:
         builds.append(("head-dim-v", lambda: gluon_backward(*_half_values(list(dense)), params, cfg, pre)))
     return builds

@@ -76,8 +76,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...triton_compat import VERSION, barrier, reinterpret, tma_load, tma_reduce_add, tma_store
 from .block_info import query_block_range
-from .scores import (LOG2E, alibi_slope_log2, attn_bias_grad_t, attn_bias_head, attn_bias_log2, attn_bias_tile_t,
-                     modded_scores_log2, relative_bias_far_entry, relative_bias_log2, relative_bias_row)
+from .scores import (LOG2E, alibi_slope_log2, attn_bias_grad_keys, attn_bias_grad_t, attn_bias_head, attn_bias_log2,
+                     attn_bias_tile_t, modded_scores_log2, relative_bias_far_entry, relative_bias_log2,
+                     relative_bias_row)
 from .seqlen_info import backward_sequence
 
 # wgmma's M per warpgroup: each consumer warpgroup owns this many keys.
@@ -419,9 +420,9 @@ def _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_
 
 
 @gluon.jit
-def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_batch, q_start, key0, q_smem, do_smem,
-                  lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free,
-                  dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
+def _query_blocks(it, dk, dv, grad_sum, prev_row, prev_head, m_start, m_stop, head, tma_batch, q_start, key0,
+                  q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready,
+                  ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT_M: gl.constexpr,
                   s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, first_it=0,
@@ -434,7 +435,9 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     not meet every block, so one's elementwise phase can overlap the other's wgmmas). prev_row,
     prev_head: where that previous block's dQ goes (the caller drains the last one). first_it: the
     ring position of the key block's first query block (a persistent CTA's key blocks continue the
-    ring and the dS^T buffers' phases). OPAQUE_KV: index the K, V tiles with _opaque_zero.
+    ring and the dS^T buffers' phases). OPAQUE_KV: index the K, V tiles with _opaque_zero. grad_sum:
+    with BIAS_GRAD 3, this warpgroup's keys' sums of dS^T over the query blocks so far (attn_bias's
+    gradient summed along the queries), else 0.
     score: (ALiBi slope, softcap scale, softcap, window left, window right, relative-bias row, its
     distance, attn_bias) of SOFTCAP / ALIBI / LOCAL / REL_BIAS / BIAS (scores.py; the forward's
     _softmax_block takes the same); attn_bias is (the (batch, head)'s first bias element, the bias's
@@ -453,7 +456,8 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     keys = key0 + gl.arange(0, _KPC, layout=gl.SliceLayout(1, s_layout))
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse_to_score = 1.0 / qk_scale_log2
-    BIAS_IN_ACC: gl.constexpr = BIAS and (bias_smem is not None) and not SOFTCAP
+    # BIAS 2: the bias is one row (it broadcasts along the queries): this warpgroup's keys of it, read once.
+    BIAS_IN_ACC: gl.constexpr = BIAS and (bias_smem is not None or BIAS == 2) and not SOFTCAP
     BIAS_ADDED: gl.constexpr = BIAS and not BIAS_IN_ACC
     MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS_ADDED
     # The relative bias alone, on unmasked blocks: those beyond its distance take one table entry.
@@ -464,6 +468,8 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
     else:
         window_left = 0
         window_right = 0
+    if BIAS == 2:
+        bias_row = gl.load(bias_head + keys, mask=keys < seqlen_k, other=0.0).to(gl.float32)
 
     for m in range(m_start, m_stop):
         slot = it % NUM_STAGES
@@ -490,10 +496,14 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
             lse = _past_used_rows(lse, start_m, seqlen_q, float("inf"), BLOCK_M, col_layout)
             delta = _past_used_rows(delta, start_m, seqlen_q, 0.0, BLOCK_M, col_layout)
         if BIAS_IN_ACC:
-            # This warpgroup's keys of the slot's bias tile (TMA zero-fills rows and keys past the bias), in
-            # raw score units.
-            bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
-            s_start = bias_tile.permute([1, 0]).load(s_layout).to(gl.float32) * (LOG2E * lse_to_score)
+            # In raw score units: this warpgroup's keys of the slot's bias tile (TMA zero-fills rows and keys
+            # past the bias), or of the bias's one row.
+            if bias_smem is not None:
+                bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
+                s_start = bias_tile.permute([1, 0]).load(s_layout).to(gl.float32) * (LOG2E * lse_to_score)
+            else:
+                s_start = (gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout)
+                           + gl.expand_dims(bias_row * (LOG2E * lse_to_score), 1))
         else:
             s_start = gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout)
         if MODDED:
@@ -523,6 +533,8 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
             if bias_smem is not None:
                 bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
                 bias = bias_tile.permute([1, 0]).load(s_layout)
+            elif BIAS == 2:
+                bias = gl.expand_dims(bias_row, 1)
             else:
                 bias = attn_bias_tile_t(bias_head, stride_bias_m, key0, start_m, seqlen_q, seqlen_k, _KPC, BLOCK_M,
                                         MASK, s_layout)
@@ -545,8 +557,11 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         # float32 dies before the dV/dK operands are materialised).
         dp_minus_delta, _, _ = warpgroup_mma_wait(0, deps=[dp_tok, v_cur, do_buf])
         ds = p * dp_minus_delta
+        if BIAS_GRAD == 3:
+            # Summed in float32 before softcap's derivative (the bias adds to the capped score).
+            grad_sum = grad_sum + gl.sum(ds, axis=1)
         if SOFTCAP:
-            if BIAS_GRAD != 0:
+            if BIAS_GRAD == 1 or BIAS_GRAD == 2:
                 ds_bias = ds.to(dtype)  # the bias adds to the capped score: dS^T before softcap's derivative
             ds = ds * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
         ds = ds.to(dtype)
@@ -564,7 +579,7 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         ds_smem.index(buf * _NC + CONSUMER).store(ds)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(buf))
-        if BIAS_GRAD != 0:
+        if BIAS_GRAD == 1 or BIAS_GRAD == 2:
             # attn_bias's gradient, while dV and dK run: dS^T as just published (read back along the keys),
             # or with softcap the one before its derivative (moved through scratch shared memory).
             if SOFTCAP:
@@ -595,7 +610,7 @@ def _query_blocks(it, dk, dv, prev_row, prev_head, m_start, m_stop, head, tma_ba
         prev_row = q_start + start_m
         prev_head = head
         it += 1
-    return it, dk, dv, prev_row, prev_head
+    return it, dk, dv, grad_sum, prev_row, prev_head
 
 
 @gluon.jit
@@ -675,24 +690,30 @@ def _consume_keys(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem
         score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
                  window_left, window_right, relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS),
                  rel_bias_distance, _attn_bias_heads(attn_bias, bias_grad, batch, head, BIAS, BIAS_GRAD))
-        it, dk, dv, prev_row, prev_head = _query_blocks(
-            it, dk, dv, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
-            delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
-            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+        grad_sum = 0
+        if BIAS_GRAD == 3:
+            grad_sum = gl.zeros([_KPC], gl.float32, gl.SliceLayout(1, s_layout))
+        it, dk, dv, grad_sum, prev_row, prev_head = _query_blocks(
+            it, dk, dv, grad_sum, prev_row, prev_head, m_lo, m_full, head, tma_batch, q_start, key0, q_smem, do_smem,
+            lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
+            seqlen_q, seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
             BIAS, BIAS_GRAD, bias_smem, av_layout)
-        it, dk, dv, prev_row, prev_head = _query_blocks(
-            it, dk, dv, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
-            delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
-            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
+        it, dk, dv, grad_sum, prev_row, prev_head = _query_blocks(
+            it, dk, dv, grad_sum, prev_row, prev_head, m_full, m_tail, head, tma_batch, q_start, key0, q_smem, do_smem,
+            lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
+            seqlen_q, seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, False, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
             BIAS, BIAS_GRAD, bias_smem, av_layout)
-        it, dk, dv, prev_row, prev_head = _query_blocks(
-            it, dk, dv, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem, lse_smem,
-            delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc, seqlen_q,
-            seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
+        it, dk, dv, grad_sum, prev_row, prev_head = _query_blocks(
+            it, dk, dv, grad_sum, prev_row, prev_head, m_tail, m_end, head, tma_batch, q_start, key0, q_smem, do_smem,
+            lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready, ds_free, dq_desc,
+            seqlen_q, seqlen_k, qk_scale_log2, CONSUMER, BLOCK_M, NUM_STAGES, True, CAUSAL, DQ_SPLIT_M,
             s_layout, a_layout, dq_layout, it0, PERSISTENT or _OPAQUE_KV, score, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
             BIAS, BIAS_GRAD, bias_smem, av_layout)
+        if BIAS_GRAD == 3:
+            _, _, _, _, _, _, _, bias_heads = score
+            attn_bias_grad_keys(grad_sum, bias_heads[2], key0, seqlen_k)
 
     if it > it0:
         # dQ of the last query block.
@@ -880,15 +901,18 @@ def gluon_attn_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_
                           stride_alibi_b=0, rel_bias_table=None, rel_bias_distance=0, attn_bias=None, stride_bias_b=0,
                           stride_bias_h=0, stride_bias_m=0, bias_grad=None, stride_grad_b=0, stride_grad_h=0,
                           stride_grad_m=0, BIAS_GRAD: gl.constexpr = 0, bias_desc=None, bias_batches=1,
-                          bias_heads=1, HEAD_DIM_V_TRUE: gl.constexpr = None):
+                          bias_heads=1, HEAD_DIM_V_TRUE: gl.constexpr = None, BIAS_ROW: gl.constexpr = False):
     # rel_bias_table, attn_bias: as the forward's (forward.py), or None. bias_grad: the buffer of
-    # attn_bias's gradient, stored into (BIAS_GRAD 1) or added into (2) as scores.attn_bias_grad_t says.
+    # attn_bias's gradient, stored into (BIAS_GRAD 1) or added into (2) as scores.attn_bias_grad_t says, or
+    # summed along the queries and added into (3: scores.attn_bias_grad_keys).
     # bias_desc: instead of attn_bias, a descriptor of its (batch, head, query, key) view, whose (query
     # block x key block) tiles come through the Q / dO ring (bias_batches, bias_heads: its batch and head
     # dims, 1 where it broadcasts). HEAD_DIM_V_TRUE: V's (dO's, dV's) head dim when it differs from Q's and K's
     # (v_desc's, do_desc's and dv_desc's boxes are its padded width); None: the same.
+    # BIAS_ROW: attn_bias has one row (it broadcasts along the queries). BIAS: 0 none, 1 tiles (loaded or
+    # through the ring), 2 one row.
     REL_BIAS: gl.constexpr = rel_bias_table is not None
-    BIAS: gl.constexpr = attn_bias is not None or bias_desc is not None
+    BIAS: gl.constexpr = (attn_bias is not None) * (1 + BIAS_ROW) + (bias_desc is not None)
     V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE
     if bias_desc is not None:
         bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,

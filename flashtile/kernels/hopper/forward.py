@@ -232,7 +232,7 @@ def _softmax_block(s, m_i, l_i, rows, start_n, seqlen_k, diag, qk_scale_log2, sc
     slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, row0, bias_rows = score
     offsets = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     # BIAS 3: S's start held the bias; a row may still have seen only -inf so far (EMPTY_ROWS).
-    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or BIAS == 1 or BIAS == 2
+    MODDED: gl.constexpr = SOFTCAP or ALIBI or REL_BIAS or (BIAS != 0 and BIAS != 3)
     if REL_BIAS and not ALIBI and not MASK:
         # A block beyond the table's distance from every row adds one entry to all its scores: the
         # entry joins the row max instead (as the scale does), and the scores stay raw.
@@ -281,7 +281,7 @@ def _modded_scores(s, rows, start_n, diag, qk_scale_log2, score, bias, offsets, 
         entry = relative_bias_far_entry(start_n - (row0 + 63), start_n + (BLOCK_N - 1) - row0, rel_distance)
         s = relative_bias_log2(s, gl.expand_dims(offsets + start_n, 0), gl.expand_dims(rows, 1), entry, rel_row,
                                rel_distance)
-    if BIAS == 1 or BIAS == 2:
+    if BIAS != 0 and BIAS != 3:
         s = s + attn_bias_log2(bias)
     return s
 
@@ -369,13 +369,22 @@ def _block_bias(score, start_n, seqlen_k, stage, BLOCK_N: gl.constexpr, MASK: gl
     """The attn_bias tile of the block from key start_n (in ring slot ``stage``) as stored, for the softmax to
     add, or 0 (no bias, or BIAS 3: S's start holds it): BIAS 2 reads it from the ring (the score tuple holds
     the ring and this warpgroup's first tile in it), BIAS 1 loads it (scores.attn_bias_tile; the tuple holds
-    its rows' pointers). Called right after S's wgmma is issued, so that the reads fly with it."""
+    its rows' pointers), BIAS 4 loads the keys of its one row (a bias broadcast along the queries; the tuple
+    holds the row). Called right after S's wgmma is issued, so that the reads fly with it."""
     _, _, _, _, _, _, _, _, bias_rows = score
     if BIAS == 2:
         ring, first = bias_rows
         bias = ring.index(first + stage).reshape([64, BLOCK_N]).load(s_layout)
     elif BIAS == 1:
         bias = attn_bias_tile(bias_rows, start_n, seqlen_k, BLOCK_N, MASK, s_layout)
+    elif BIAS == 4:
+        # One row for every query: the block's keys of it, broadcast down the tile.
+        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if MASK:
+            row = gl.load(bias_rows + keys, mask=keys < seqlen_k, other=0.0)
+        else:
+            row = gl.load(bias_rows + keys)
+        bias = gl.expand_dims(row, 0)
     else:
         bias = 0
     return bias
@@ -662,8 +671,10 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, bias_head = score
     bias_head, stride_bias_m, bias_smem = bias_head
     bias_rows = 0
-    if BIAS >= 2:
+    if BIAS == 2 or BIAS == 3:
         bias_rows = (bias_smem, CONSUMER * NUM_STAGES)
+    elif BIAS == 4:
+        bias_rows = bias_head
     elif BIAS:
         bias_rows = attn_bias_rows(bias_head, rows, seqlen_q, stride_bias_m)
     score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, my_start,
@@ -865,9 +876,10 @@ def _bias_source(attn_bias, stride_bias_b, stride_bias_h, stride_bias_m, bias_sm
     """The score tuple's attn_bias entry (_consume): the (batch, head)'s first element and the query stride
     that BIAS 1 loads from, and the tile ring that BIAS 2 reads (else 0)."""
     ring = 0
-    if BIAS >= 2:
+    if BIAS == 2 or BIAS == 3:
         ring = bias_smem
-    return attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, BIAS == 1), stride_bias_m, ring
+    loads: gl.constexpr = BIAS == 1 or BIAS == 4
+    return attn_bias_head(attn_bias, stride_bias_b, stride_bias_h, batch, head, loads), stride_bias_m, ring
 
 
 @gluon.jit
@@ -971,17 +983,19 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0,
                           HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None, rel_bias_table=None,
                           rel_bias_distance=0, attn_bias=None, stride_bias_b=0, stride_bias_h=0, stride_bias_m=0,
-                          bias_desc=None, bias_batches=1, bias_heads=1):
+                          bias_desc=None, bias_batches=1, bias_heads=1, BIAS_ROW: gl.constexpr = False):
     # rel_bias_table: a relative-position bias table (nheads, 2 * rel_bias_distance + 1), float32
     # (flashtile.mods.relative_bias, scores.relative_bias_log2), or None. attn_bias: a bias added to
     # the scores, read with these batch / head / query strides (0 along broadcast dimensions) and unit key
     # stride (scores.attn_bias_tile), or None. bias_desc: instead of attn_bias, a descriptor of its (batch,
     # head, query, key) view (bias_batches, bias_heads: its batch and head dims, 1 where it broadcasts),
-    # whose (64 rows x key block) tiles come through the K ring.
+    # whose (64 rows x key block) tiles come through the K ring. BIAS_ROW: attn_bias has one row (it
+    # broadcasts along the queries).
     REL_BIAS: gl.constexpr = rel_bias_table is not None
-    # 0: no bias; 1: the consumers load it and the softmax adds it; through the ring, 2: the softmax adds it
-    # (after softcap), 3: it starts S's accumulator (_scores_start).
-    BIAS: gl.constexpr = (3 - SOFTCAP) * (bias_desc is not None) + (attn_bias is not None)
+    # 0: no bias; 1: the consumers load its tiles and the softmax adds them; through the ring, 2: the
+    # softmax adds it (after softcap), 3: it starts S's accumulator (_scores_start); 4: the consumers load
+    # the keys of its one row and the softmax adds them.
+    BIAS: gl.constexpr = (3 - SOFTCAP) * (bias_desc is not None) + (attn_bias is not None) * (1 + 3 * BIAS_ROW)
     # V's (and O's) head dim when it differs from Q's and K's (v_desc's and o_desc's boxes are its padded
     # width); None: the same.
     V_TRUE: gl.constexpr = HEAD_DIM_TRUE if HEAD_DIM_V_TRUE is None else HEAD_DIM_V_TRUE

@@ -226,12 +226,14 @@ class ForwardPlan:
 
 def _attn_bias_arguments(attn_bias, strides, template) -> dict:
     """The kernel's attn_bias arguments besides its slots (attn_bias, bias_desc): the bias's batch, head and
-    query strides (loads), or its batch and head dims (the ring, with a descriptor template)."""
+    query strides and whether it is one row (loads), or its batch and head dims (the ring, with a
+    descriptor template)."""
     if attn_bias is None:
         return {}
     if template is not None:
         return dict(bias_batches=template.shape[0], bias_heads=template.shape[1])
-    return dict(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides))
+    # A query stride of 0: one row for every query (a bias broadcast along them).
+    return dict(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides), BIAS_ROW=strides[2] == 0)
 
 
 def heads_per_group(n_tiles: int, pairs: int, resident_ctas: int, factor: int = 1) -> int:

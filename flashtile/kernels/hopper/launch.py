@@ -51,13 +51,14 @@ def _attn_bias(params: ScoreParams) -> dict:
 
 def _bias_grad(params: ScoreParams) -> dict:
     """The backward's arguments for attn_bias's gradient: its buffer (mods.AttnBias.backward_mods), strides,
-    and whether the kernel stores into it (1) or adds into it (2); none when the bias takes no gradient."""
+    and whether the kernel stores into it (1), adds into it (2) or adds its sums along the queries into it
+    (3); none when the bias takes no gradient."""
     mods = params.mods
     if mods is None or mods.attn_bias is None or mods.dq_score_mod_bwd is None:
         return {}
     aux = mods.dq_score_aux
-    return dict(bias_grad=aux[4], bias_grad_strides=tuple(aux[5:8]),
-                bias_grad_mode=1 if mods.dq_score_mod_bwd is builtin.attn_bias_grad_store else 2)
+    mode = {builtin.attn_bias_grad_store: 1, builtin.attn_bias_grad: 2, builtin.attn_bias_grad_sum_queries: 3}
+    return dict(bias_grad=aux[4], bias_grad_strides=tuple(aux[5:8]), bias_grad_mode=mode[mods.dq_score_mod_bwd])
 
 
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,

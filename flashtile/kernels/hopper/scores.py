@@ -194,7 +194,7 @@ def attn_bias_grad_t(ds, grad_head, stride_grad_m, key0, start_m, seqlen_q, seql
     scores the bias adds to; in registers, or (FROM_SHARED) in shared memory. GRAD 1: stored into a
     gradient of the call's full shape (one score per element); GRAD 2: added (float32 atomics) into a
     float32 buffer that sums over broadcast dimensions. Queries past seqlen_q (and with MASK keys past
-    seqlen_k) write nothing."""
+    seqlen_k) write nothing. (GRAD 3, a gradient summed along the queries: attn_bias_grad_keys.)"""
     KEYS: gl.constexpr = ds.shape[0]
     # Stores: 16 bytes of the gradient's dtype per thread. Atomics: 16 bytes of float32 (a v4 atomic),
     # so that a warp's instruction covers whole 32-byte sectors.
@@ -214,3 +214,12 @@ def attn_bias_grad_t(ds, grad_head, stride_grad_m, key0, start_m, seqlen_q, seql
         gl.store(ptrs, ds.to(grad_head.dtype.element_ty), mask=keep)
     else:
         gl.atomic_add(ptrs, ds.to(gl.float32), mask=keep, sem="relaxed")
+
+
+@gluon.jit
+def attn_bias_grad_keys(grad_sum, grad_head, key0, seqlen_k):
+    """The backward's share of the gradient of an attn_bias broadcast along the queries (GRAD 3): grad_sum,
+    the sums of dS^T over a query head's query blocks for keys key0 + [0, len), added (float32 atomics)
+    into the (batch, head)'s row of the float32 buffer from grad_head; keys past seqlen_k add nothing."""
+    keys = key0 + gl.arange(0, grad_sum.shape[0], layout=grad_sum.type.layout)
+    gl.atomic_add(grad_head + keys, grad_sum, mask=keys < seqlen_k, sem="relaxed")

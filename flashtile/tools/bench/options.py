@@ -19,7 +19,9 @@ option set of --sets:
                              sequence) as a mask_mod with a block mask;
   bias-full / bias-causal    an attn_bias of shape (1, nheads, seqlen, seqlen) shared by the batch, its
                              gradient too (causal: -inf above the diagonal in the bias, which SDPA's
-                             efficient backend reads as its mask).
+                             efficient backend reads as its mask);
+  bias-keys                  an attn_bias of shape (1, nheads, 1, seqlen), one row for every query (a learned
+                             key bias), its gradient summed along the queries and the batch.
 --headdim-v gives V (and the output) a head dim of its own (DeepSeek-style 192 / 128 with --headdims 192).
 TFLOP/s count the (query, key) pairs the options leave visible: 2 * b * h * (d + dv) per pair (4 * b * h * d
 when dv = d), 3.5x that for forward + backward. "ft/plain" is flashtile's TFLOP/s over its own plain
@@ -48,7 +50,7 @@ PROG = "python -m flashtile bench options"
 MODES = ("fwd", "fwd_bwd")
 SETS = ("plain-causal", "plain-full", "window-causal", "window-both", "softcap-causal", "softcap-full",
         "alibi-causal", "alibi-full", "window-softcap", "sink-causal", "sink-full", "mod-alibi-causal",
-        "mod-relbias-causal", "mask-window", "mask-document", "bias-full", "bias-causal")
+        "mod-relbias-causal", "mask-window", "mask-document", "bias-full", "bias-causal", "bias-keys")
 ANCHORS = {"flex": "torch.compile'd FlexAttention with the same block mask and score_mod",
            "sdpa-efficient": "SDPA's memory-efficient backend with the bias as attn_mask (the bias sets only)",
            "sdpa": "SDPA with PyTorch's own backend choice (cuDNN on Hopper; the plain sets only)",
@@ -83,6 +85,7 @@ def option_set(name: str, window: int, softcap: float) -> dict:
         "mask-document": dict(mask="document"),
         "bias-full": dict(bias=True),
         "bias-causal": dict(causal=True, bias=True),
+        "bias-keys": dict(bias="keys"),
     }
     return {**dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, sink=False, mod=None, mask=None,
                    bias=False),
@@ -146,7 +149,8 @@ class Problem:
         # when causal (SDPA's efficient backend takes the mask from it).
         self.bias = None
         if options["bias"]:
-            bias = torch.randn(1, nheads, seqlen, seqlen, device=device, dtype=dtype, generator=generator)
+            rows = 1 if options["bias"] == "keys" else seqlen
+            bias = torch.randn(1, nheads, rows, seqlen, device=device, dtype=dtype, generator=generator)
             if options["causal"]:
                 bias.masked_fill_(torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).triu(1), float("-inf"))
             self.bias = bias.requires_grad_()
@@ -255,7 +259,7 @@ def flex_system(p: Problem, kernel_options=None):
         if table is not None:
             score = score + table[head, (kv_idx - q_idx).clamp(-128, 128) + 128]
         if bias is not None:
-            score = score + bias[head, q_idx, kv_idx]
+            score = score + bias[head, q_idx if bias.shape[1] > 1 else 0, kv_idx]
         return score
 
     flex = compiled_flex_attention()
