@@ -257,24 +257,24 @@ class BackwardPlan:
 
 
 def _attn_bias_arguments(attn_bias, strides, bias_grad, grad_strides, grad_mode: int, template) -> dict:
-    """The two-warpgroup kernel's attn_bias arguments: the bias (unit key stride) and its batch, head and
-    query strides (0 along broadcast dimensions), or with a BiasDescriptorTemplate its descriptor and
-    batch and head dims; with grad_mode 1 (one score per element: stored), 2 (summed over broadcast
-    dimensions: float32 atomics) or 3 (summed along the queries too: per-key sums, float32 atomics) the
-    gradient's buffer and its strides."""
+    """The two-warpgroup kernel's attn_bias arguments besides its slots (attn_bias or bias_desc, bias_grad):
+    the bias's batch, head and query strides (0 along broadcast dimensions) and whether it is one row, or
+    with a BiasDescriptorTemplate its batch and head dims; with grad_mode 1 (one score per element:
+    stored), 2 (summed over broadcast dimensions: float32 atomics) or 3 (summed along the queries too:
+    per-key sums, float32 atomics) the gradient buffer's strides."""
     if attn_bias is None:
         return {}
     assert attn_bias.stride(-1) == 1 and attn_bias.shape[-1] > 1
     if template is not None:
-        arguments = dict(bias_desc=template(attn_bias), bias_batches=template.shape[0], bias_heads=template.shape[1])
+        arguments = dict(bias_batches=template.shape[0], bias_heads=template.shape[1])
     else:
         # A query stride of 0: one row for every query (a bias broadcast along them).
-        arguments = dict(attn_bias=attn_bias, BIAS_ROW=strides[2] == 0)
+        arguments = dict(BIAS_ROW=strides[2] == 0)
     arguments.update(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides))
     if grad_mode:
         assert bias_grad.stride(-1) == 1 and (grad_mode == 1 or bias_grad.dtype == torch.float32)
-        arguments.update(bias_grad=bias_grad, BIAS_GRAD=grad_mode,
-                         **dict(zip(("stride_grad_b", "stride_grad_h", "stride_grad_m"), grad_strides)))
+        arguments.update(BIAS_GRAD=grad_mode, **dict(zip(("stride_grad_b", "stride_grad_h", "stride_grad_m"),
+                                                          grad_strides)))
     return arguments
 
 
