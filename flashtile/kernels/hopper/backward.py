@@ -420,6 +420,15 @@ def _modded_probabilities(s, lse, keys, key0, start_m, seqlen_k, diag, qk_scale_
 
 
 @gluon.jit
+def _ring_bias_tile_t(bias_smem, slot, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, _KPC: gl.constexpr,
+                      s_layout: gl.constexpr):
+    """This consumer's keys of the attn_bias tile in ring slot ``slot``, transposed as S^T (keys x queries), as
+    stored."""
+    tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
+    return tile.permute([1, 0]).load(s_layout)
+
+
+@gluon.jit
 def _query_blocks(it, dk, dv, grad_sum, prev_row, prev_head, m_start, m_stop, head, tma_batch, q_start, key0,
                   q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_ready, q_empty, ds_ready,
                   ds_free, dq_desc, seqlen_q, seqlen_k, qk_scale_log2,
@@ -499,8 +508,8 @@ def _query_blocks(it, dk, dv, grad_sum, prev_row, prev_head, m_start, m_stop, he
             # In raw score units: this warpgroup's keys of the slot's bias tile (TMA zero-fills rows and keys
             # past the bias), or of the bias's one row.
             if bias_smem is not None:
-                bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
-                s_start = bias_tile.permute([1, 0]).load(s_layout).to(gl.float32) * (LOG2E * lse_to_score)
+                s_start = (_ring_bias_tile_t(bias_smem, slot, CONSUMER, BLOCK_M, _KPC, s_layout).to(gl.float32)
+                           * (LOG2E * lse_to_score))
             else:
                 s_start = (gl.zeros([_KPC, BLOCK_M], gl.float32, s_layout)
                            + gl.expand_dims(bias_row * (LOG2E * lse_to_score), 1))
@@ -531,8 +540,7 @@ def _query_blocks(it, dk, dv, grad_sum, prev_row, prev_head, m_start, m_stop, he
             # Read while both products are in flight: this warpgroup's keys of the slot's tile, or loaded from
             # global memory.
             if bias_smem is not None:
-                bias_tile = bias_smem.index(slot).reshape([BLOCK_M, 2 * _KPC]).slice(CONSUMER * _KPC, _KPC, dim=1)
-                bias = bias_tile.permute([1, 0]).load(s_layout)
+                bias = _ring_bias_tile_t(bias_smem, slot, CONSUMER, BLOCK_M, _KPC, s_layout)
             elif BIAS == 2:
                 bias = gl.expand_dims(bias_row, 1)
             else:

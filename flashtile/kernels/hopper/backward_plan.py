@@ -12,8 +12,8 @@ from ..plans import CompiledCall
 from .backward import (_DQ_N, BLOCK_N, KEYS_PER_CONSUMER, NUM_CONSUMERS, gluon_attn_bwd_d256_kernel,
                        gluon_attn_bwd_kernel, gluon_attn_bwd_persistent_kernel, gluon_bwd_dq_convert_kernel)
 from .forward_plan import band_sides, option_arguments
-from .tma import (BiasDescriptorTemplate, DescriptorTemplate, RowDescriptorTemplate, multiprocessors, qkv_supported,
-                  tma_aligned, values_supported)
+from .tma import (BiasDescriptorTemplate, DescriptorTemplate, RowDescriptorTemplate, attn_bias_arguments,
+                  multiprocessors, qkv_supported, tma_aligned, values_supported)
 
 LOG2E = 1.4426950408889634
 
@@ -258,19 +258,13 @@ class BackwardPlan:
 
 def _attn_bias_arguments(attn_bias, strides, bias_grad, grad_strides, grad_mode: int, template) -> dict:
     """The two-warpgroup kernel's attn_bias arguments besides its slots (attn_bias or bias_desc, bias_grad):
-    the bias's batch, head and query strides (0 along broadcast dimensions) and whether it is one row, or
-    with a BiasDescriptorTemplate its batch and head dims; with grad_mode 1 (one score per element:
-    stored), 2 (summed over broadcast dimensions: float32 atomics) or 3 (summed along the queries too:
-    per-key sums, float32 atomics) the gradient buffer's strides."""
+    tma.attn_bias_arguments, and with grad_mode 1 (one score per element: stored), 2 (summed over broadcast
+    dimensions: float32 atomics) or 3 (summed along the queries too: per-key sums, float32 atomics) the
+    gradient buffer's strides."""
     if attn_bias is None:
         return {}
     assert attn_bias.stride(-1) == 1 and attn_bias.shape[-1] > 1
-    if template is not None:
-        arguments = dict(bias_batches=template.shape[0], bias_heads=template.shape[1])
-    else:
-        # A query stride of 0: one row for every query (a bias broadcast along them).
-        arguments = dict(BIAS_ROW=strides[2] == 0)
-    arguments.update(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides))
+    arguments = attn_bias_arguments(strides, template)
     if grad_mode:
         assert bias_grad.stride(-1) == 1 and (grad_mode == 1 or bias_grad.dtype == torch.float32)
         arguments.update(BIAS_GRAD=grad_mode, **dict(zip(("stride_grad_b", "stride_grad_h", "stride_grad_m"),

@@ -364,6 +364,14 @@ def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
 
 
 @gluon.jit
+def _ring_bias_tile(bias_rows, stage, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """This warpgroup's attn_bias tile (64 x BLOCK_N, as stored) in ring slot ``stage``; bias_rows holds the
+    ring and the warpgroup's first tile in it."""
+    ring, first = bias_rows
+    return ring.index(first + stage).reshape([64, BLOCK_N]).load(s_layout)
+
+
+@gluon.jit
 def _block_bias(score, start_n, seqlen_k, stage, BLOCK_N: gl.constexpr, MASK: gl.constexpr, BIAS: gl.constexpr,
                 s_layout: gl.constexpr):
     """The attn_bias tile of the block from key start_n (in ring slot ``stage``) as stored, for the softmax to
@@ -373,8 +381,7 @@ def _block_bias(score, start_n, seqlen_k, stage, BLOCK_N: gl.constexpr, MASK: gl
     holds the row). Called right after S's wgmma is issued, so that the reads fly with it."""
     _, _, _, _, _, _, _, _, bias_rows = score
     if BIAS == 2:
-        ring, first = bias_rows
-        bias = ring.index(first + stage).reshape([64, BLOCK_N]).load(s_layout)
+        bias = _ring_bias_tile(bias_rows, stage, BLOCK_N, s_layout)
     elif BIAS == 1:
         bias = attn_bias_tile(bias_rows, start_n, seqlen_k, BLOCK_N, MASK, s_layout)
     elif BIAS == 4:
@@ -397,9 +404,7 @@ def _scores_start(score, stage, qk_scale_log2, BLOCK_N: gl.constexpr, BIAS: gl.c
     while the product runs, and the softmax is plain attention's), else zeros (the wgmma overwrites them)."""
     if BIAS == 3:
         _, _, _, _, _, _, _, _, bias_rows = score
-        ring, first = bias_rows
-        tile = ring.index(first + stage).reshape([64, BLOCK_N]).load(s_layout)
-        start = tile.to(gl.float32) * (LOG2E / qk_scale_log2)
+        start = _ring_bias_tile(bias_rows, stage, BLOCK_N, s_layout).to(gl.float32) * (LOG2E / qk_scale_log2)
     else:
         start = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
     return start

@@ -11,7 +11,7 @@ from ...configs import GluonFwdConfig, padded_head_dim
 from ..plans import CompiledCall
 from .forward import ROWS_PER_CONSUMER, gluon_attn_fwd_kernel
 from .scores import UNBOUNDED_WINDOW
-from .tma import BiasDescriptorTemplate, DescriptorTemplate, multiprocessors, qkv_supported
+from .tma import BiasDescriptorTemplate, DescriptorTemplate, attn_bias_arguments, multiprocessors, qkv_supported
 
 LOG2E = 1.4426950408889634
 
@@ -199,7 +199,7 @@ class ForwardPlan:
                  **option_arguments(softmax_scale, local, window_left, window_right, softcap, alibi_slopes,
                                     rel_bias_table),
                  **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
-                 **_attn_bias_arguments(attn_bias, attn_bias_strides, self.bias_template),
+                 **({} if attn_bias is None else attn_bias_arguments(attn_bias_strides, self.bias_template)),
                  num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table", "attn_bias", "bias_desc"))
@@ -222,18 +222,6 @@ class ForwardPlan:
         if self.call is None:
             return None
         return self.launch(self.descriptors(q, k, v, out), out, lse, **varlen)
-
-
-def _attn_bias_arguments(attn_bias, strides, template) -> dict:
-    """The kernel's attn_bias arguments besides its slots (attn_bias, bias_desc): the bias's batch, head and
-    query strides and whether it is one row (loads), or its batch and head dims (the ring, with a
-    descriptor template)."""
-    if attn_bias is None:
-        return {}
-    if template is not None:
-        return dict(bias_batches=template.shape[0], bias_heads=template.shape[1])
-    # A query stride of 0: one row for every query (a bias broadcast along them).
-    return dict(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides), BIAS_ROW=strides[2] == 0)
 
 
 def heads_per_group(n_tiles: int, pairs: int, resident_ctas: int, factor: int = 1) -> int:

@@ -49,6 +49,12 @@ def _attn_bias(params: ScoreParams) -> dict:
     return {} if bias is None else dict(attn_bias=bias.read, attn_bias_strides=bias.strides)
 
 
+# How the backward writes attn_bias's gradient, by the gradient mod the call carries: stores it (1), adds it
+# (2), or adds its sums along the queries (3).
+_BIAS_GRAD_MODES = {builtin.attn_bias_grad_store: 1, builtin.attn_bias_grad: 2,
+                    builtin.attn_bias_grad_sum_queries: 3}
+
+
 def _bias_grad(params: ScoreParams) -> dict:
     """The backward's arguments for attn_bias's gradient: its buffer (mods.AttnBias.backward_mods), strides,
     and whether the kernel stores into it (1), adds into it (2) or adds its sums along the queries into it
@@ -57,8 +63,8 @@ def _bias_grad(params: ScoreParams) -> dict:
     if mods is None or mods.attn_bias is None or mods.dq_score_mod_bwd is None:
         return {}
     aux = mods.dq_score_aux
-    mode = {builtin.attn_bias_grad_store: 1, builtin.attn_bias_grad: 2, builtin.attn_bias_grad_sum_queries: 3}
-    return dict(bias_grad=aux[4], bias_grad_strides=tuple(aux[5:8]), bias_grad_mode=mode[mods.dq_score_mod_bwd])
+    return dict(bias_grad=aux[4], bias_grad_strides=tuple(aux[5:8]),
+                bias_grad_mode=_BIAS_GRAD_MODES[mods.dq_score_mod_bwd])
 
 
 # Above this many bytes of float32 dQ accumulator, the Gluon backward runs head chunk by head chunk,

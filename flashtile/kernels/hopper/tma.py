@@ -138,6 +138,15 @@ class BiasDescriptorTemplate:
         return gluon_tensor_descriptor(bias, self.shape, self.strides, self.block, self.layout)
 
 
+def attn_bias_arguments(strides: tuple, template) -> dict:
+    """Both Hopper kernels' attn_bias arguments besides its slots: with a BiasDescriptorTemplate (tiles through
+    the ring) the bias's batch and head dims; else its batch, head and query strides (0 along broadcast
+    dimensions) and BIAS_ROW, whether it is one row (a query stride of 0: one row for every query)."""
+    if template is not None:
+        return dict(bias_batches=template.shape[0], bias_heads=template.shape[1])
+    return dict(zip(("stride_bias_b", "stride_bias_h", "stride_bias_m"), strides), BIAS_ROW=strides[2] == 0)
+
+
 class TileDescriptorTemplate:
     """Host tensor descriptors of triton.tools (what the portable Triton kernels take) over
     TMA-aligned (b, s, h, d) views of one shape and strides: (1, rows, 1, cols) tiles of one
