@@ -55,6 +55,11 @@ def optional_key(t) -> Optional[tuple]:
     return tensor_key(t) if type(t) is torch.Tensor else None
 
 
+def optional_keys(tensors: tuple) -> tuple:
+    """optional_key of each of ``tensors``, in one pass (a per-call cost: no call per tensor)."""
+    return tuple([() if t is None else tensor_key(t) if type(t) is torch.Tensor else None for t in tensors])
+
+
 def plain(*values) -> bool:
     """Whether the options are Python bools, ints, floats or None (exact types: their values key a plan)."""
     return all(type(value) in _PLAIN_TYPES for value in values)
@@ -202,12 +207,12 @@ def kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         seqlens = int if cache_seqlens >= 0 else None
     else:
         seqlens = optional_key(cache_seqlens)
-    optional = tuple(optional_key(t) for t in (k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-                                                block_table, alibi_slopes, learnable_sink))
+    optional = optional_keys((k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                              learnable_sink))
     window = window_key(window_size)
     if seqlens is None or window is None or None in optional:
         return None
-    if _needs_grad(q, k_cache, v_cache, *(t for t in (k, v) if t is not None)):
+    if _needs_grad(q, k_cache, v_cache, k, v):
         return None  # the long way raises
     return (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), seqlens, optional, softmax_scale, causal, window,
             softcap, rotary_interleaved, num_splits, _settings())
@@ -229,8 +234,8 @@ def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    optional = tuple(optional_key(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
-                                                alibi_slopes, learnable_sink))
+    optional = optional_keys((cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, alibi_slopes,
+                              learnable_sink))
     window = window_key(window_size)
     if window is None or None in optional or () in optional[:2]:
         return None

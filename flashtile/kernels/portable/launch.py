@@ -189,9 +189,12 @@ class SplitForward:
         if num_splits <= 1:
             self.forward = PortableForward(q, k, v, out, lse, params, cfg, seqs, pack_gqa=pack_gqa)
             return
-        self.parts_shapes = ((num_splits,) + tuple(out.shape), (num_splits,) + tuple(lse.shape))
-        # The layouts of the partial buffers each call allocates, without memory.
-        out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device="meta") for shape in self.parts_shapes)
+        parts_shapes = ((num_splits,) + tuple(out.shape), (num_splits,) + tuple(lse.shape))
+        # The layouts of the partial buffers, without memory. Each call allocates both as one float32 buffer
+        # (one allocation: host time), the logsumexps from the first 16-byte boundary after the outputs.
+        out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device="meta") for shape in parts_shapes)
+        self.lse_offset = (out_parts.numel() + 3) // 4 * 4
+        self.parts_numel = self.lse_offset + lse_parts.numel()
         self.forward = PortableForward(q, k, v, out_parts[0], lse_parts[0], params, cfg, seqs,
                                        splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)),
                                        pack_gqa=pack_gqa)
@@ -211,10 +214,11 @@ class SplitForward:
         if self.combine is None:
             self.forward(q, k, v, out, lse, params, seqs)
             return
-        out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device=out.device)
-                                for shape in self.parts_shapes)
-        self.forward(q, k, v, out_parts[0], lse_parts[0], params, seqs)
-        self.combine(out_parts, lse_parts, out, lse, params.learnable_sink)
+        # The launches read only the buffers' addresses (the plans hold the layouts): flat views serve.
+        parts = torch.empty(self.parts_numel, dtype=torch.float32, device=out.device)
+        lse_parts = parts[self.lse_offset:]
+        self.forward(q, k, v, parts, lse_parts, params, seqs)
+        self.combine(parts, lse_parts, out, lse, params.learnable_sink)
 
 
 def row_stats_buffers(lse: torch.Tensor, device=None) -> tuple:
