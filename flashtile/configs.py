@@ -182,6 +182,9 @@ def tile_head_dim(q, v) -> int:
 # Kernel names used in the tables.
 FWD = "fwd"          # forward: one program per (query block, head, batch)
 FWD_DECODE = "fwd_decode"  # the same kernel on few query rows per sequence (decoding): small query tiles
+# The same for a few query rows per sequence with GQA, the group's heads packed into each tile's rows
+# (speculative decoding): (query rows x group heads) of 17 to DECODE_PACKED_MAX_ROWS rows in one tile.
+FWD_DECODE_PACKED = "fwd_decode_packed"
 BWD_DKDV = "bwd_dkdv"  # backward, dK/dV: one program per (key block, kv head, batch)
 BWD_DQ = "bwd_dq"    # backward, dQ: one program per (query block, head, batch)
 FWD_GLUON = "fwd_gluon"  # Hopper forward: warp-specialized Gluon kernel (sm90, fp16/bf16)
@@ -189,18 +192,22 @@ BWD_GLUON = "bwd_gluon"  # Hopper backward: dK/dV and (atomically) dQ in one Glu
 # Backward preprocess: delta = rowsum(dO * O), lse in log2 units (and the Gluon backward's dQ
 # accumulator zeroed); a memory-bound pass over rows.
 BWD_PREPROCESS = "bwd_preprocess"
-KERNELS = (FWD, FWD_DECODE, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_GLUON, BWD_PREPROCESS)
+KERNELS = (FWD, FWD_DECODE, FWD_DECODE_PACKED, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_GLUON, BWD_PREPROCESS)
 
 # A packed forward whose sequences have at most this many query rows (a decoding step: one token,
 # or the query heads of a GQA group as rows) takes the FWD_DECODE config. Its work is streaming K
 # and V: a 16-row query tile (tl.dot's least) keeps the matmuls far below the memory time.
 DECODE_MAX_ROWS = 16
+# Packed GQA rows up to this many take FWD_DECODE_PACKED's 64-row tile: K and V read once per kv head,
+# and no half-empty 128-row prefill tile (its matmuls outlast the reads). Above it, the FWD tile.
+DECODE_PACKED_MAX_ROWS = 64
 
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths
 # exercised at the small sequence lengths CPU tests use.
 _INTERPRETER = {
     FWD: KernelConfig(block_m=32, block_n=32),
     FWD_DECODE: KernelConfig(block_m=16, block_n=32),
+    FWD_DECODE_PACKED: KernelConfig(block_m=32, block_n=32),
     BWD_DKDV: KernelConfig(block_m=32, block_n=32),
     BWD_DQ: KernelConfig(block_m=32, block_n=32),
     FWD_GLUON: None,
@@ -219,6 +226,12 @@ _DEFAULT_GPU = {
     FWD_DECODE: [
         Rule(128, KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)),
         Rule(256, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)),
+    ],
+    # One 64-row tile for a kv head's packed rows: on an H200 (32/8 heads, d128, 8 or 16 query rows, batch
+    # 1-64, 8k-32k keys) within 1.5% of the best of 16 tile configs at every point (experiments.md).
+    FWD_DECODE_PACKED: [
+        Rule(128, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+        Rule(256, KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)),
     ],
     BWD_DKDV: [
         Rule(64, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)),
@@ -372,6 +385,11 @@ PORTABLE_CANDIDATES = {
     FWD_DECODE: {
         d: [_C(block_m=16, block_n=n, num_warps=w, num_stages=st)
             for n in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4) if d * n <= 128 * 128]
+        for d in (16, 32, 64, 128, 256)
+    },
+    FWD_DECODE_PACKED: {
+        d: [_C(block_m=m, block_n=n, num_warps=w, num_stages=st)
+            for m in (32, 64) for n in (64, 128) for w in (4, 8) for st in (2, 3) if d * n <= 128 * 128]
         for d in (16, 32, 64, 128, 256)
     },
     BWD_DKDV: {

@@ -18,9 +18,9 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from . import autotune, checks
-from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_GLUON,
-                      GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config, get_config, overridden, padded_head_dim,
-                      tile_head_dim)
+from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, DECODE_PACKED_MAX_ROWS, FWD,
+                      FWD_DECODE, FWD_DECODE_PACKED, FWD_GLUON, GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config,
+                      get_config, overridden, padded_head_dim, tile_head_dim)
 from .kernels.hopper import status as hopper_status
 from .kernels.hopper.tma import qkv_unsupported, tma_aligned, values_supported
 from .kernels.plans import PlanCache, tensor_signature
@@ -157,7 +157,7 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
     tensors_reason = qkv_unsupported(q, k, v)
     if tensors_reason is not None:
         return None, tensors_reason
-    portable = (FWD, FWD_DECODE) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
+    portable = (FWD, FWD_DECODE, FWD_DECODE_PACKED) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
     if any(overridden(name) for name in portable) and not overridden(kernel):
         overrides = ", ".join(name for name in portable if overridden(name))
         return None, f"an explicit portable config is set (configs.override of {overrides})"
@@ -276,12 +276,20 @@ def _rows_from_heads(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> b
 def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tuple[str, bool]:
     """(config family, pack_gqa) of a decode-shaped call: with several query rows and GQA (no ALiBi)
     the group's heads share tiles (the kernel's PACK_GQA); the decode tile (16 rows) while the rows
-    fit one, the prefill tile above (16 rows x 4 heads: one 128-row tile, not four)."""
+    fit one, the packed decode tile (64 rows) while they fit that (16 rows x 4 heads: one tile, not
+    four), the prefill tile above."""
     rows = q.shape[1] if seqs is None else seqs.max_seqlen_q
     group = q.shape[2] // k.shape[2]
     pack = (not _rows_from_heads(q, k, params, seqs) and group > 1 and params.alibi_slopes is None
             and params.mods is None)
-    return (FWD_DECODE if rows * (group if pack else 1) <= DECODE_MAX_ROWS else FWD), pack
+    return _decode_family(rows * (group if pack else 1)), pack
+
+
+def _decode_family(tile_rows: int) -> str:
+    """The config family whose query tile takes a decode call's rows (packed GQA rows counted)."""
+    if tile_rows <= DECODE_MAX_ROWS:
+        return FWD_DECODE
+    return FWD_DECODE_PACKED if tile_rows <= DECODE_PACKED_MAX_ROWS else FWD
 
 
 def heads_as_rows(q, out, lse, nheads_k: int) -> tuple:
@@ -642,7 +650,8 @@ def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, devi
     _MIN_SPLIT_KEYS keys."""
     if device.type != "cuda":
         return 1
-    rows_per_program = 16 if seqlen_q <= DECODE_MAX_ROWS else 128  # the FWD_DECODE / FWD query tiles
+    # The query tiles of FWD_DECODE / FWD_DECODE_PACKED / FWD.
+    rows_per_program = {FWD_DECODE: 16, FWD_DECODE_PACKED: 64, FWD: 128}[_decode_family(seqlen_q)]
     programs = max(1, batch * nheads * -(-seqlen_q // rows_per_program))
     processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_DECODE, FWD_GLUON, GLUON_CANDIDATES,
-                       PORTABLE_CANDIDATES, GluonBwdConfig, GluonFwdConfig, KernelConfig, padded_head_dim,
-                       table_config)
+from ..configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, FWD, FWD_DECODE, FWD_DECODE_PACKED, FWD_GLUON,
+                       GLUON_CANDIDATES, PORTABLE_CANDIDATES, GluonBwdConfig, GluonFwdConfig, KernelConfig,
+                       padded_head_dim, table_config)
 from ..kernels import plans
 from ..block_mask import BlockMask
 from ..kernels.portable import mods as builtin_mods
@@ -453,6 +453,7 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     table = torch.zeros(2, 10, dtype=torch.int32, device=DEVICE)
     cfg = table_config(FWD, ARCH, d, causal, 4096, dtype)
     dec = table_config(FWD_DECODE, ARCH, d, causal, 4096, dtype)
+    dec_packed = table_config(FWD_DECODE_PACKED, ARCH, d, causal, 4096, dtype)
     q1 = _empty(1, 2, h, d, dtype=dtype)
     out1, lse1 = _empty(1, 2, h, d, dtype=torch.float32), _empty(1, h, 2, dtype=torch.float32)
     cu1 = _ints([0, 1, 2])
@@ -460,6 +461,9 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     # Speculative decoding with GQA: 4 query rows, the group's heads packed into one tile's rows.
     q4, k4 = _empty(2, 4, h, d, dtype=dtype), _empty(2, 600, max(h // 4, 1), d, dtype=dtype)
     out4, lse4 = _empty(2, 4, h, d, dtype=torch.float32), _empty(2, h, 4, dtype=torch.float32)
+    # 16 query rows: 64 packed rows, the packed decode tile.
+    q16, out16, lse16 = _empty(2, 16, h, d, dtype=dtype), _empty(2, 16, h, d, dtype=torch.float32), _empty(
+        2, h, 16, dtype=torch.float32)
     rows = [
         ("fwd/dense", "fwd", lambda: launch_forward(q, q, q, out, lse, params, cfg)),
         ("fwd/varlen", "fwd", lambda: launch_forward(qv, qv, qv, outv, lsev, _with_sink(params, h), cfg,
@@ -476,6 +480,9 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
         ("fwd/decode-pack-gqa", "fwd", lambda: launch_forward(
             q4, k4, k4, out4, lse4, params, dec, PackedSeqs(None, None, 4, 600, dense_batch=2),
             splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True)),
+        ("fwd/decode-pack-gqa-64", "fwd", lambda: launch_forward(
+            q16, k4, k4, out16, lse16, params, dec_packed, PackedSeqs(None, None, 16, 600, dense_batch=2),
+            splits=(3, 256, out16.numel(), lse16.numel()), pack_gqa=True)),
         ("fwd/mods", "fwd", lambda: launch_forward(q, q, q, out, lse, _mod_params(causal, h, 512), cfg)),
         ("fwd/attn-bias", "fwd", lambda: launch_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 512), cfg)),
         ("fwd/head-dim-v", "fwd", lambda: launch_forward(q, q, q[..., :d // 2].contiguous(), out[..., :d // 2],

@@ -145,8 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     tables.add_argument("--tables", action="store_true", help="print the config tables' rules")
     tables.add_argument("--arch", default="sm90", help="sm90, sm80, ..., interpreter (default: %(default)s)")
     tables.add_argument("--candidates", action="store_true", help="list the autotune candidates")
-    tables.add_argument("--kernel", help="only this kernel (fwd, fwd_decode, fwd_gluon, bwd_dkdv, bwd_dq, bwd_gluon, "
-                                         "bwd_preprocess)")
+    tables.add_argument("--kernel", help="only this kernel (fwd, fwd_decode, fwd_decode_packed, fwd_gluon, bwd_dkdv, "
+                                         "bwd_dq, bwd_gluon, bwd_preprocess)")
     tables.add_argument("--head-dim", type=int, help="--candidates: only this (padded) head dim")
     return parser
 
