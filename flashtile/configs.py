@@ -182,8 +182,8 @@ def tile_head_dim(q, v) -> int:
 # Kernel names used in the tables.
 FWD = "fwd"          # forward: one program per (query block, head, batch)
 FWD_DECODE = "fwd_decode"  # the same kernel on few query rows per sequence (decoding): small query tiles
-# The same for a few query rows per sequence with GQA, the group's heads packed into each tile's rows
-# (speculative decoding): (query rows x group heads) of 17 to DECODE_PACKED_MAX_ROWS rows in one tile.
+# The same for 17 to DECODE_PACKED_MAX_ROWS tile rows: a few query rows per sequence with a GQA group's
+# heads packed into each tile's rows (speculative decoding), or one query with a group of 17-64 heads as rows.
 FWD_DECODE_PACKED = "fwd_decode_packed"
 BWD_DKDV = "bwd_dkdv"  # backward, dK/dV: one program per (key block, kv head, batch)
 BWD_DQ = "bwd_dq"    # backward, dQ: one program per (query block, head, batch)
@@ -198,8 +198,9 @@ KERNELS = (FWD, FWD_DECODE, FWD_DECODE_PACKED, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_
 # or the query heads of a GQA group as rows) takes the FWD_DECODE config. Its work is streaming K
 # and V: a 16-row query tile (tl.dot's least) keeps the matmuls far below the memory time.
 DECODE_MAX_ROWS = 16
-# Packed GQA rows up to this many take FWD_DECODE_PACKED's 64-row tile: K and V read once per kv head,
-# and no half-empty 128-row prefill tile (its matmuls outlast the reads). Above it, the FWD tile.
+# Decode tile rows (packed GQA rows, or a group's heads as rows) up to this many take FWD_DECODE_PACKED's
+# 64-row tile: K and V read once per kv head, and no half-empty 128-row prefill tile (its matmuls outlast
+# the reads). Above it, the FWD tile.
 DECODE_PACKED_MAX_ROWS = 64
 
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths

@@ -277,12 +277,12 @@ def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tupl
     """(config family, pack_gqa) of a decode-shaped call: with several query rows and GQA (no ALiBi)
     the group's heads share tiles (the kernel's PACK_GQA); the decode tile (16 rows) while the rows
     fit one, the packed decode tile (64 rows) while they fit that (16 rows x 4 heads: one tile, not
-    four), the prefill tile above."""
+    four), the prefill tile above. One query with its group's heads as rows: a tile of the group."""
     rows = q.shape[1] if seqs is None else seqs.max_seqlen_q
     group = q.shape[2] // k.shape[2]
-    pack = (not _rows_from_heads(q, k, params, seqs) and group > 1 and params.alibi_slopes is None
-            and params.mods is None)
-    return _decode_family(rows * (group if pack else 1)), pack
+    as_rows = _rows_from_heads(q, k, params, seqs)
+    pack = not as_rows and group > 1 and params.alibi_slopes is None and params.mods is None
+    return _decode_family(group if as_rows else rows * (group if pack else 1)), pack
 
 
 def _decode_family(tile_rows: int) -> str:
@@ -461,11 +461,8 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     plan_key = _plan_key(params, seqs, q, k, v, out, lse)
 
     def make():
-        cfg = None
-        if pack_gqa:
-            kernel, _ = decode_kernel(q, k, params, seqs)
-            cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k,
-                             q.dtype)
+        kernel, _ = decode_kernel(q, k, params, seqs)
+        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k, q.dtype)
         table_plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            SplitForward(q, k, v, out, lse, params, seqs, num_splits, c, pack_gqa=pack_gqa),

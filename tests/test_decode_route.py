@@ -10,7 +10,7 @@ import triton.language as tl
 
 import flashtile
 from flashtile import dispatch
-from flashtile.configs import DECODE_MAX_ROWS
+from flashtile.configs import DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_DECODE_PACKED
 from flashtile.options import PackedSeqs, ScoreParams
 from flashtile.reference import attention_naive
 
@@ -20,6 +20,8 @@ from _cases import DEVICE, DTYPES, check_against_reference, make_qkv, randn
     (1, 1, 8, 2, True, (-1, -1)), (1, 300, 8, 2, True, (-1, -1)), (1, 300, 6, 1, False, (-1, -1)),
     (1, 113, 4, 4, True, (32, -1)), (4, 113, 8, 2, True, (-1, -1)), (16, 300, 4, 4, False, (-1, -1)),
     (16, 37, 6, 1, True, (8, 0)), (1, 1023, 8, 2, False, (-1, 3)),
+    # The packed decode tile: 8 rows x 4 heads packed; 32 heads of one query as rows.
+    (8, 300, 8, 2, True, (-1, -1)), (1, 300, 32, 1, False, (-1, -1)),
 ])
 def test_dense_decode_shapes(seqlen_q, seqlen_k, nheads, nheads_k, causal, window):
     dtype = DTYPES[0]
@@ -34,6 +36,19 @@ def test_dense_decode_options(option):
     q, k, v = make_qkv(3, 1, 200, 8, 2, 40, DTYPES[0])
     extra = {"softcap": 20.0} if option == "softcap" else {"alibi_slopes": torch.rand(3, 8, device=DEVICE) * 0.3}
     check_against_reference(flashtile.flash_attn_func, q, k, v, causal=True, **extra)
+
+
+@pytest.mark.parametrize("seqlen_q, nheads, nheads_k, family", [
+    (1, 8, 1, FWD_DECODE), (4, 8, 2, FWD_DECODE), (16, 8, 8, FWD_DECODE),
+    (8, 32, 8, FWD_DECODE_PACKED), (16, 32, 8, FWD_DECODE_PACKED), (1, 32, 1, FWD_DECODE_PACKED),
+    (1, 64, 1, FWD_DECODE_PACKED), (16, 64, 8, FWD), (1, 128, 1, FWD),
+])
+def test_decode_tile_takes_the_tile_rows(seqlen_q, nheads, nheads_k, family):
+    # Tile rows: the query rows, times the group's heads when they share tiles (packed GQA) or the group
+    # alone when its heads are one query's rows: up to 16 the decode tile, up to 64 the packed one.
+    q = torch.empty(2, seqlen_q, nheads, 64, device="meta")
+    k = torch.empty(2, 100, nheads_k, 64, device="meta")
+    assert dispatch.decode_kernel(q, k, ScoreParams(softmax_scale=0.125), None)[0] == family
 
 
 def test_rows_above_the_decode_tile_are_not_decode():
