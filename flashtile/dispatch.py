@@ -286,7 +286,8 @@ def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tupl
 
 
 def _decode_family(tile_rows: int) -> str:
-    """The config family whose query tile takes a decode call's rows (packed GQA rows counted)."""
+    """The config family whose query tile takes a call of this many rows per tile (packed GQA rows
+    counted): the decode tiles for few, the prefill tile above."""
     if tile_rows <= DECODE_MAX_ROWS:
         return FWD_DECODE
     return FWD_DECODE_PACKED if tile_rows <= DECODE_PACKED_MAX_ROWS else FWD
@@ -461,8 +462,10 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     plan_key = _plan_key(params, seqs, q, k, v, out, lse)
 
     def make():
-        kernel, _ = decode_kernel(q, k, params, seqs)
-        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k, q.dtype)
+        # The family of the tile's rows: the query rows, times the group's heads when they share tiles.
+        tile_rows = seqs.max_seqlen_q * (q.shape[2] // k.shape[2] if pack_gqa else 1)
+        cfg = get_config(_decode_family(tile_rows), arch_of(q.device), tile_head_dim(q, v), params.causal,
+                         seqs.max_seqlen_k, q.dtype)
         table_plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            SplitForward(q, k, v, out, lse, params, seqs, num_splits, c, pack_gqa=pack_gqa),
