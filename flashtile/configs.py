@@ -228,8 +228,8 @@ _DEFAULT_GPU = {
         Rule(128, KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)),
         Rule(256, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)),
     ],
-    # One 64-row tile for a kv head's packed rows: on an H200 (32/8 heads, d128, 8 or 16 query rows, batch
-    # 1-64, 8k-32k keys) within 1.5% of the best of 16 tile configs at every point (experiments.md).
+    # One 64-row tile for a kv head's packed rows: K and V read once, and no empty rows for the matmuls to
+    # outlast the reads (the H200 sweep that chose it: experiments.md).
     FWD_DECODE_PACKED: [
         Rule(128, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)),
         Rule(256, KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)),
