@@ -282,7 +282,15 @@ def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tupl
     group = q.shape[2] // k.shape[2]
     as_rows = _rows_from_heads(q, k, params, seqs)
     pack = not as_rows and group > 1 and params.alibi_slopes is None and params.mods is None
-    return _decode_family(group if as_rows else rows * (group if pack else 1)), pack
+    # Heads as rows is one query per sequence with the group's heads sharing its tile.
+    return _decode_family(decode_tile(rows, q.shape[2], k.shape[2], as_rows or pack)[1]), pack
+
+
+def decode_tile(rows: int, nheads: int, nheads_k: int, pack: bool) -> Tuple[int, int]:
+    """(heads in the grid, rows per tile) of a decode-shaped launch of ``rows`` query rows per
+    sequence: with the query heads of a GQA group sharing tiles (pack), a tile per kv head holds
+    every row of every head of its group; otherwise a tile per query head holds that head's rows."""
+    return (nheads_k, rows * (nheads // nheads_k)) if pack else (nheads, rows)
 
 
 def _decode_family(tile_rows: int) -> str:
@@ -330,8 +338,7 @@ class DecodeForward:
         else:
             self.seqs = seqs
         batch, rows, max_seqlen_k = grid_lengths(q, k, self.seqs)
-        heads = k.shape[2] if pack else q.shape[2]
-        tile_rows = rows * (q.shape[2] // k.shape[2] if pack else 1)
+        heads, tile_rows = decode_tile(rows, q.shape[2], k.shape[2], pack)
         splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, q.device)
         if cfg is None:
             cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
@@ -462,8 +469,7 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     plan_key = _plan_key(params, seqs, q, k, v, out, lse)
 
     def make():
-        # The family of the tile's rows: the query rows, times the group's heads when they share tiles.
-        tile_rows = seqs.max_seqlen_q * (q.shape[2] // k.shape[2] if pack_gqa else 1)
+        tile_rows = decode_tile(seqs.max_seqlen_q, q.shape[2], k.shape[2], pack_gqa)[1]
         cfg = get_config(_decode_family(tile_rows), arch_of(q.device), tile_head_dim(q, v), params.causal,
                          seqs.max_seqlen_k, q.dtype)
         table_plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
@@ -639,7 +645,7 @@ _MAX_SPLITS = 128
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments; decoding asks once per layer and token
-def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, device: torch.device) -> int:
+def _auto_splits(batch: int, nheads: int, tile_rows: int, max_seqlen_k: int, device: torch.device) -> int:
     """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
 
     Decoding streams K and V: what counts is that every multiprocessor keeps reading until the end.
@@ -651,8 +657,8 @@ def _auto_splits(batch: int, nheads: int, seqlen_q: int, max_seqlen_k: int, devi
     if device.type != "cuda":
         return 1
     # The query tiles of FWD_DECODE / FWD_DECODE_PACKED / FWD.
-    rows_per_program = {FWD_DECODE: 16, FWD_DECODE_PACKED: 64, FWD: 128}[_decode_family(seqlen_q)]
-    programs = max(1, batch * nheads * -(-seqlen_q // rows_per_program))
+    rows_per_program = {FWD_DECODE: 16, FWD_DECODE_PACKED: 64, FWD: 128}[_decode_family(tile_rows)]
+    programs = max(1, batch * nheads * -(-tile_rows // rows_per_program))
     processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
     def efficiency(grid: int) -> float:
@@ -710,9 +716,7 @@ class KVCacheStep:
         self.pack = seqlen_q <= DECODE_MAX_ROWS and mods is None and decode_kernel(
             q_rows, k_cache, self.params.with_tensors(alibi_slopes),
             PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens))[1]
-        tile_rows = self.rows
-        if self.pack:
-            heads, tile_rows = nheads_k, seqlen_q * (nheads // nheads_k)
+        heads, tile_rows = decode_tile(self.rows, heads, nheads_k, self.pack)
         self.splits = num_splits or _auto_splits(batch, heads, tile_rows, self.capacity, q.device)
         self.table_of_rows = None  # a contiguous cache's rows as a table (rows_table without cache_batch_idx)
         self.update = None  # the update's and the forward's plans, from the first call

@@ -85,6 +85,18 @@ def test_kvcache_leftpad(dtype, causal):
     run_kvcache_case(dtype, "rows", 2, 2, causal, "halves", leftpad=[3, 0, 41])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256] if ON_GPU else [HEAD_DIM])
+@pytest.mark.parametrize("layout", ["direct", "paged"])
+@pytest.mark.parametrize("seqlen_q", [17, 40, 64, 65])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_chunk(head_dim, layout, seqlen_q, num_splits):
+    """A chunk of queries appended and attended at once (chunked prefill): past the decode tile's 16
+    rows each query head keeps its own tile rows, 17-64 on the packed decode tile, 65 on the
+    prefill one; causal, bottom-right aligned to each sequence's cache."""
+    run_kvcache_case(DTYPES[0], layout, seqlen_q, seqlen_q, True, None, num_splits=num_splits, lengths=(5, 0, 31),
+                     head_dim=head_dim)
+
+
 @triton.jit
 def key_distance_bias(score, b, h, q_idx, kv_idx, aux):
     """score + w[h] * (q - kv) / 16: reads an aux tensor, depends on the head and both positions."""
@@ -122,19 +134,20 @@ def test_kvcache_mods(layout, seqlen_q, num_splits):
 
 
 def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpad=None, num_splits=1, alibi=False,
-                     lengths=(5, 0, 70), kernel_mods=None, reference_mods=None, **score_options):
+                     lengths=(5, 0, 70), kernel_mods=None, reference_mods=None, head_dim=HEAD_DIM,
+                     **score_options):
     batch, seqlen_cache, page_size = 3, 96, 16
     cache_rows = 5  # more rows than sequences; cache_batch_idx picks them (contiguous cache)
-    q = torch.randn(batch, seqlen_q, NHEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
-    k_cache = torch.randn(cache_rows, seqlen_cache, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=dtype)
+    q = torch.randn(batch, seqlen_q, NHEADS, head_dim, device=DEVICE, dtype=dtype)
+    k_cache = torch.randn(cache_rows, seqlen_cache, NHEADS_K, head_dim, device=DEVICE, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    k_new = torch.randn(batch, seqlen_new, NHEADS_K, HEAD_DIM, device=DEVICE, dtype=dtype) if seqlen_new else None
+    k_new = torch.randn(batch, seqlen_new, NHEADS_K, head_dim, device=DEVICE, dtype=dtype) if seqlen_new else None
     v_new = torch.randn_like(k_new) if seqlen_new else None
     cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     batch_idx = torch.tensor([4, 0, 2] if layout == "rows" else [0, 1, 2], dtype=torch.int32, device=DEVICE)
     cos = sin = None
     if rotary:
-        cos, sin = rotary_tables(seqlen_cache, HEAD_DIM // 2)
+        cos, sin = rotary_tables(seqlen_cache, head_dim // 2)
 
     # The reference: each sequence's full keys / values, built by hand.
     rows = batch_idx.long()
@@ -162,9 +175,9 @@ def run_kvcache_case(dtype, layout, seqlen_q, seqlen_new, causal, rotary, leftpa
     if layout == "paged":
         pool_k, table = to_paged(k_cache[rows].contiguous(), page_size)
         pool_v, _ = to_paged(v_cache[rows].contiguous(), page_size)
-        pool_v[table.long()] = v_cache[rows].view(batch, -1, page_size, NHEADS_K, HEAD_DIM)
+        pool_v[table.long()] = v_cache[rows].view(batch, -1, page_size, NHEADS_K, head_dim)
         out, lse = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table, **kwargs)
-        written_k = pool_k[table.long()].view(batch, seqlen_cache, NHEADS_K, HEAD_DIM)
+        written_k = pool_k[table.long()].view(batch, seqlen_cache, NHEADS_K, head_dim)
     else:
         unused = [1, 3] if layout == "rows" else [3, 4]
         untouched = k_cache[unused].clone()
