@@ -202,6 +202,10 @@ DECODE_MAX_ROWS = 16
 # 64-row tile: K and V read once per kv head, and no half-empty 128-row prefill tile (its matmuls outlast
 # the reads). Above it, the FWD tile.
 DECODE_PACKED_MAX_ROWS = 64
+# Calls with at most this many query rows per sequence run as decoding (dispatch.decode_route):
+# split-KV and a GQA group's heads sharing tiles, where the Hopper kernel's 128-row tile would sit at
+# least half empty and read K and V once per query head.
+DECODE_ROUTE_MAX_ROWS = 64
 
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths
 # exercised at the small sequence lengths CPU tests use.

@@ -18,7 +18,8 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from . import autotune, checks
-from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, DECODE_PACKED_MAX_ROWS, FWD,
+from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, DECODE_PACKED_MAX_ROWS,
+                      DECODE_ROUTE_MAX_ROWS, FWD,
                       FWD_DECODE, FWD_DECODE_PACKED, FWD_GLUON, GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config,
                       get_config, overridden, padded_head_dim, tile_head_dim)
 from .kernels.hopper import status as hopper_status
@@ -233,12 +234,13 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
 
 
 def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[str]:
-    """Why a call runs as decoding (DecodeForward), or None. The rule: at most DECODE_MAX_ROWS query
-    rows per sequence (decoding, speculative decoding), dense or packed, keys present, no dropout, no
-    block mask (its lists follow its own tiles, not the decode kernel's). Such calls spend their time
-    streaming K and V, which a 128-row Hopper tile would read with most of its rows idle; the decode
-    kernel's 16-row tiles, GQA heads as rows and split-KV keep every multiprocessor reading. Score and
-    mask mods keep each query head on its own rows (a mod sees query heads)."""
+    """Why a call runs as decoding (DecodeForward), or None. The rule: at most DECODE_ROUTE_MAX_ROWS
+    query rows per sequence (decoding, speculative decoding, a short chunk), dense or packed, keys
+    present, no dropout, no block mask (its lists follow its own tiles, not the decode kernel's). Such
+    calls spend their time streaming K and V, which the Hopper kernel reads once per query head into a
+    128-row tile at most half full and with one program per (sequence, head); the decode kernels share
+    each K/V tile among a GQA group's heads and split the keys until every multiprocessor reads. Score
+    and mask mods keep each query head on its own rows (a mod sees query heads)."""
     if params.dropout_p > 0.0 or k.shape[1] == 0 or (params.mods is not None and params.mods.block_mask is not None):
         return None
     if seqs is None:
@@ -247,9 +249,9 @@ def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optio
         return None  # kv caches take this path through kvcache_attention already
     else:
         rows = seqs.max_seqlen_q
-    if rows > DECODE_MAX_ROWS or rows < 1:
+    if rows > DECODE_ROUTE_MAX_ROWS or rows < 1:
         return None
-    return (f"{rows} query row{'s' * (rows > 1)} per sequence (at most {DECODE_MAX_ROWS}): the decode kernels, "
+    return (f"{rows} query row{'s' * (rows > 1)} per sequence (at most {DECODE_ROUTE_MAX_ROWS}): the decode kernels, "
             "split-KV" + (", GQA heads as rows" if _rows_from_heads(q, k, params, seqs) else ""))
 
 
@@ -713,7 +715,7 @@ class KVCacheStep:
             self.rows, heads = seqlen_q, nheads
         # A few query rows (speculative decoding) with GQA: the group's query heads share each K/V tile.
         q_rows = q.new_empty((batch, self.rows, heads, q.shape[3]), device="meta")
-        self.pack = seqlen_q <= DECODE_MAX_ROWS and mods is None and decode_kernel(
+        self.pack = seqlen_q <= DECODE_ROUTE_MAX_ROWS and mods is None and decode_kernel(
             q_rows, k_cache, self.params.with_tensors(alibi_slopes),
             PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens))[1]
         heads, tile_rows = decode_tile(self.rows, heads, nheads_k, self.pack)

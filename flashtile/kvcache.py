@@ -11,7 +11,7 @@ Split-KV (flash-decoding): with few query blocks per sequence the keys of each s
 over ``num_splits`` programs and merged by their lse (kernels/combine.py); ``num_splits=0`` picks
 the count from the shape and the GPU's multiprocessor count. With one query per sequence, the
 query heads of a GQA group are processed as rows of their kv head, which is read once for all of
-them; with 2-16 query rows, the group's heads share each tile (the forward's PACK_GQA). Steps 1
+them; with 2-64 query rows, the group's heads share each tile (the forward's PACK_GQA). Steps 1
 and 2 are one launch (kernels/kvcache_update.py).
 
 The public function checks its arguments and calls the ``flashtile::kvcache_fwd`` custom op

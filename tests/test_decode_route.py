@@ -1,6 +1,6 @@
 """Decode-shaped calls through flash_attn_func and flash_attn_varlen_func (dispatch.decode_route):
-at most DECODE_MAX_ROWS query rows per sequence run on the decode kernels, GQA heads as rows where
-they can, split-KV. Checked against the float64 reference (out, lse, and the backward that reads
+at most DECODE_ROUTE_MAX_ROWS query rows per sequence run on the decode kernels, GQA heads as rows
+or sharing tiles where they can, split-KV. Checked against the float64 reference (out, lse, and the backward that reads
 them), with splits forced where the interpreter would not choose them."""
 
 import pytest
@@ -10,7 +10,7 @@ import triton.language as tl
 
 import flashtile
 from flashtile import dispatch
-from flashtile.configs import DECODE_MAX_ROWS, FWD, FWD_DECODE, FWD_DECODE_PACKED
+from flashtile.configs import DECODE_ROUTE_MAX_ROWS, FWD, FWD_DECODE, FWD_DECODE_PACKED
 from flashtile.options import PackedSeqs, ScoreParams
 from flashtile.reference import attention_naive
 
@@ -22,6 +22,8 @@ from _cases import DEVICE, DTYPES, check_against_reference, make_qkv, randn
     (16, 37, 6, 1, True, (8, 0)), (1, 1023, 8, 2, False, (-1, 3)),
     # The packed decode tile: 8 rows x 4 heads packed; 32 heads of one query as rows.
     (8, 300, 8, 2, True, (-1, -1)), (1, 300, 32, 1, False, (-1, -1)),
+    # Chunks past the decode tile: 17 rows x 4 heads on the prefill tile, 40 rows alone on the packed one.
+    (17, 300, 8, 2, True, (-1, -1)), (40, 113, 4, 4, True, (-1, -1)), (64, 1023, 6, 1, False, (-1, -1)),
 ])
 def test_dense_decode_shapes(seqlen_q, seqlen_k, nheads, nheads_k, causal, window):
     dtype = DTYPES[0]
@@ -51,8 +53,8 @@ def test_decode_tile_takes_the_tile_rows(seqlen_q, nheads, nheads_k, family):
     assert dispatch.decode_kernel(q, k, ScoreParams(softmax_scale=0.125), None)[0] == family
 
 
-def test_rows_above_the_decode_tile_are_not_decode():
-    q, k, _ = make_qkv(1, DECODE_MAX_ROWS + 1, 64, 2, 2, 32, DTYPES[0], requires_grad=False)
+def test_rows_above_the_route_are_not_decode():
+    q, k, _ = make_qkv(1, DECODE_ROUTE_MAX_ROWS + 1, 64, 2, 2, 32, DTYPES[0], requires_grad=False)
     assert dispatch.decode_route(q, k, ScoreParams(softmax_scale=0.1), None) is None
     assert dispatch.decode_route(q[:, :1], k, ScoreParams(softmax_scale=0.1, dropout_p=0.1), None) is None
 

@@ -90,9 +90,9 @@ def test_kvcache_leftpad(dtype, causal):
 @pytest.mark.parametrize("seqlen_q", [17, 40, 64, 65])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_kvcache_chunk(head_dim, layout, seqlen_q, num_splits):
-    """A chunk of queries appended and attended at once (chunked prefill): past the decode tile's 16
-    rows each query head keeps its own tile rows, 17-64 on the packed decode tile, 65 on the
-    prefill one; causal, bottom-right aligned to each sequence's cache."""
+    """A chunk of queries appended and attended at once (chunked prefill), causal, bottom-right
+    aligned to each sequence's cache: up to 64 rows the group's two heads share tiles (34 rows on the
+    packed decode tile, 80 and 128 on the prefill one), 65 rows keep a tile per query head."""
     run_kvcache_case(DTYPES[0], layout, seqlen_q, seqlen_q, True, None, num_splits=num_splits, lengths=(5, 0, 31),
                      head_dim=head_dim)
 

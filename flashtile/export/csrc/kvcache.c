@@ -2,7 +2,7 @@
  * tokens (the update kernel), then attend over the paged cache with the portable forward, split-KV
  * when few programs would read a long cache, as flashtile/dispatch.py's kvcache_attention does:
  * the same split count and GQA heads as rows for one query. Unlike Python, contiguous caches are
- * read as one page per sequence, 2-16 query rows do not pack a GQA group's heads, and a group of 17-64
+ * read as one page per sequence, 2-64 query rows do not pack a GQA group's heads, and a group of 17-64
  * heads as rows takes the 128-row tile, not Python's 64-row one (slower, same results within rounding). */
 #include <math.h>
 #include <stdio.h>
