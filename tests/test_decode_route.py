@@ -68,11 +68,11 @@ def _packed(lengths_q, lengths_k, nheads, nheads_k, dtype, head_dim=64):
     return q, k, v, cu_q, cu_k
 
 
-@pytest.mark.parametrize("lengths_q", [[1, 1, 1], [1, 0, 1], [4, 1, 3]])
+@pytest.mark.parametrize("lengths_q", [[1, 1, 1], [1, 0, 1], [4, 1, 3], [20, 0, 33]])
 @pytest.mark.parametrize("nheads, nheads_k", [(8, 2), (4, 4)])
 def test_packed_decode_shapes(lengths_q, nheads, nheads_k):
     """One query per sequence (as a (batch, 1) tensor, GQA heads as rows, lse through a buffer),
-    sequences without a query, and a few rows each (the packed layout kept)."""
+    sequences without a query, and a few rows each (the packed layout kept), up to chunks of 17-64."""
     lengths_k = [300, 17, 1000]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, nheads, nheads_k, DTYPES[0])
     out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
