@@ -202,10 +202,13 @@ DECODE_MAX_ROWS = 16
 # 64-row tile: K and V read once per kv head, and no half-empty 128-row prefill tile (its matmuls outlast
 # the reads). Above it, the FWD tile.
 DECODE_PACKED_MAX_ROWS = 64
-# Calls with at most this many query rows per sequence run as decoding (dispatch.decode_route):
-# split-KV and a GQA group's heads sharing tiles, where the Hopper kernel's 128-row tile would sit at
-# least half empty and read K and V once per query head.
+# Calls with at most DECODE_MAX_ROWS query rows per sequence run as decoding (dispatch.decode_route), and
+# so do those of up to DECODE_ROUTE_MAX_ROWS whose keys number at least DECODE_ROUTE_KEYS_PER_ROW per
+# query row: split-KV and a GQA group's heads sharing tiles, where the Hopper kernel's 128-row tile would
+# sit at least half empty and read K and V once per query head. With fewer keys (short square calls:
+# 32-64 rows against 32-256 keys) the Hopper kernel was as fast or faster on an H200.
 DECODE_ROUTE_MAX_ROWS = 64
+DECODE_ROUTE_KEYS_PER_ROW = 16
 
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths
 # exercised at the small sequence lengths CPU tests use.

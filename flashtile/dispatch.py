@@ -19,7 +19,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import autotune, checks
 from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, DECODE_PACKED_MAX_ROWS,
-                      DECODE_ROUTE_MAX_ROWS, FWD,
+                      DECODE_ROUTE_KEYS_PER_ROW, DECODE_ROUTE_MAX_ROWS, FWD,
                       FWD_DECODE, FWD_DECODE_PACKED, FWD_GLUON, GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config,
                       get_config, overridden, padded_head_dim, tile_head_dim)
 from .kernels.hopper import status as hopper_status
@@ -234,8 +234,9 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
 
 
 def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[str]:
-    """Why a call runs as decoding (DecodeForward), or None. The rule: at most DECODE_ROUTE_MAX_ROWS
-    query rows per sequence (decoding, speculative decoding, a short chunk), dense or packed, keys
+    """Why a call runs as decoding (DecodeForward), or None. The rule: at most DECODE_MAX_ROWS query
+    rows per sequence (decoding, speculative decoding), or up to DECODE_ROUTE_MAX_ROWS against at least
+    DECODE_ROUTE_KEYS_PER_ROW keys per row (a short chunk of a long context), dense or packed, keys
     present, no dropout, no block mask (its lists follow its own tiles, not the decode kernel's). Such
     calls spend their time streaming K and V, which the Hopper kernel reads once per query head into a
     128-row tile at most half full and with one program per (sequence, head); the decode kernels share
@@ -244,14 +245,20 @@ def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optio
     if params.dropout_p > 0.0 or k.shape[1] == 0 or (params.mods is not None and params.mods.block_mask is not None):
         return None
     if seqs is None:
-        rows = q.shape[1]
+        rows, keys = q.shape[1], k.shape[1]
     elif seqs.paged or seqs.cu_seqlens_q is None or seqs.seqused_q is not None:
         return None  # kv caches take this path through kvcache_attention already
     else:
-        rows = seqs.max_seqlen_q
-    if rows > DECODE_ROUTE_MAX_ROWS or rows < 1:
+        rows, keys = seqs.max_seqlen_q, seqs.max_seqlen_k
+    if rows < 1 or rows > DECODE_ROUTE_MAX_ROWS:
         return None
-    return (f"{rows} query row{'s' * (rows > 1)} per sequence (at most {DECODE_ROUTE_MAX_ROWS}): the decode kernels, "
+    if rows <= DECODE_MAX_ROWS:
+        why = f"at most {DECODE_MAX_ROWS}"
+    elif keys >= DECODE_ROUTE_KEYS_PER_ROW * rows:
+        why = f"at most {DECODE_ROUTE_MAX_ROWS}, against {keys} keys"
+    else:
+        return None
+    return (f"{rows} query row{'s' * (rows > 1)} per sequence ({why}): the decode kernels, "
             "split-KV" + (", GQA heads as rows" if _rows_from_heads(q, k, params, seqs) else ""))
 
 

@@ -165,35 +165,34 @@ def test_explain_names_attn_bias():
     """On sm90 the Hopper kernels read a 16-bit bias that varies along the keys at head dims 65 to 128, and
     the backward writes its gradient (summed along the queries too, for a bias broadcast along them); a
     bias constant along the keys, one beside a mask_mod, a float32 one, or head dim 64 stays on the
-    portable kernels, and says why. Packed sequences take both Hopper kernels too. (More than 64 query rows:
-    fewer run as decoding, dispatch.decode_route.)"""
-    q, k, v = make_qkv(1, 96, 96, 2, 2, 128, DTYPES[0], requires_grad=False)
-    for shape in ((1, 2, 96, 96), (96, 96)):
+    portable kernels, and says why. Packed sequences take both Hopper kernels too."""
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 128, DTYPES[0], requires_grad=False)
+    for shape in ((1, 2, 64, 64), (64, 64)):
         explanation = flashtile.explain(q, k, v, attn_bias=_bias(shape, DTYPES[0]), device_capability=(9, 0))
         assert explanation.forward.path == "hopper", explanation.forward.reason
         assert explanation.backward.path == "hopper", explanation.backward.reason
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((2, 1, 96), DTYPES[0]), device_capability=(9, 0))
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((2, 1, 64), DTYPES[0]), device_capability=(9, 0))
     assert explanation.forward.path == "hopper", explanation.forward.reason
     assert explanation.backward.path == "hopper", explanation.backward.reason
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((2, 1, 96), DTYPES[0], requires_grad=False),
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((2, 1, 64), DTYPES[0], requires_grad=False),
                                     device_capability=(9, 0))
     assert explanation.backward.path == "hopper", explanation.backward.reason
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((96, 1)), device_capability=(9, 0))
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((64, 1)), device_capability=(9, 0))
     assert explanation.forward.path == "portable" and "attn_bias" in explanation.forward.reason
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 96, 96), DTYPES[0]), device_capability=(9, 0),
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0),
                                     mask_mod=flashtile.mods.sliding_window(8, 0, device=DEVICE))
     assert explanation.forward.path == "portable" and "attn_bias" in explanation.forward.reason
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 96, 96), torch.float32),
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), torch.float32),
                                     device_capability=(9, 0))
     assert explanation.forward.path == "portable" and "bfloat16" in explanation.forward.reason
-    cu = torch.tensor([0, 30, 96], dtype=torch.int32, device=DEVICE)
-    explanation = flashtile.explain(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=66,
-                                    max_seqlen_k=66, attn_bias=_bias((2, 2, 66, 66), DTYPES[0]),
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32, device=DEVICE)
+    explanation = flashtile.explain(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34,
+                                    max_seqlen_k=34, attn_bias=_bias((2, 2, 34, 34), DTYPES[0]),
                                     device_capability=(9, 0))
     assert explanation.forward.path == "hopper", explanation.forward.reason
     assert explanation.backward.path == "hopper", explanation.backward.reason
-    q, k, v = make_qkv(1, 96, 96, 2, 2, 64, DTYPES[0], requires_grad=False)
-    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 96, 96), DTYPES[0]), device_capability=(9, 0))
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], requires_grad=False)
+    explanation = flashtile.explain(q, k, v, attn_bias=_bias((1, 2, 64, 64), DTYPES[0]), device_capability=(9, 0))
     assert explanation.forward.path == "portable" and "65 to 128" in explanation.forward.reason
 
 

@@ -10,7 +10,8 @@ import triton.language as tl
 
 import flashtile
 from flashtile import dispatch
-from flashtile.configs import DECODE_ROUTE_MAX_ROWS, FWD, FWD_DECODE, FWD_DECODE_PACKED
+from flashtile.configs import (DECODE_MAX_ROWS, DECODE_ROUTE_KEYS_PER_ROW, DECODE_ROUTE_MAX_ROWS, FWD, FWD_DECODE,
+                               FWD_DECODE_PACKED)
 from flashtile.options import PackedSeqs, ScoreParams
 from flashtile.reference import attention_naive
 
@@ -23,7 +24,7 @@ from _cases import DEVICE, DTYPES, check_against_reference, make_qkv, randn
     # The packed decode tile: 8 rows x 4 heads packed; 32 heads of one query as rows.
     (8, 300, 8, 2, True, (-1, -1)), (1, 300, 32, 1, False, (-1, -1)),
     # Chunks past the decode tile: 17 rows x 4 heads on the prefill tile, 40 rows alone on the packed one.
-    (17, 300, 8, 2, True, (-1, -1)), (40, 113, 4, 4, True, (-1, -1)), (64, 1023, 6, 1, False, (-1, -1)),
+    (17, 300, 8, 2, True, (-1, -1)), (40, 700, 4, 4, True, (-1, -1)), (64, 1100, 6, 1, False, (-1, -1)),
 ])
 def test_dense_decode_shapes(seqlen_q, seqlen_k, nheads, nheads_k, causal, window):
     dtype = DTYPES[0]
@@ -54,8 +55,16 @@ def test_decode_tile_takes_the_tile_rows(seqlen_q, nheads, nheads_k, family):
 
 
 def test_rows_above_the_route_are_not_decode():
-    q, k, _ = make_qkv(1, DECODE_ROUTE_MAX_ROWS + 1, 64, 2, 2, 32, DTYPES[0], requires_grad=False)
-    assert dispatch.decode_route(q, k, ScoreParams(softmax_scale=0.1), None) is None
+    """Past DECODE_MAX_ROWS only a chunk against enough keys per row is decode-shaped; past
+    DECODE_ROUTE_MAX_ROWS none is."""
+    params = ScoreParams(softmax_scale=0.1)
+    rows = DECODE_MAX_ROWS + 1
+    q, k, _ = make_qkv(1, rows, DECODE_ROUTE_KEYS_PER_ROW * rows, 2, 2, 32, DTYPES[0], requires_grad=False)
+    assert dispatch.decode_route(q, k, params, None) is not None
+    assert dispatch.decode_route(q, k[:, :-1], params, None) is None
+    assert dispatch.decode_route(q[:, :DECODE_MAX_ROWS], k[:, :DECODE_MAX_ROWS], params, None) is not None
+    q, k, _ = make_qkv(1, DECODE_ROUTE_MAX_ROWS + 1, 4096, 2, 2, 32, DTYPES[0], requires_grad=False)
+    assert dispatch.decode_route(q, k, params, None) is None
     assert dispatch.decode_route(q[:, :1], k, ScoreParams(softmax_scale=0.1, dropout_p=0.1), None) is None
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 import flashtile
-from flashtile.configs import DECODE_ROUTE_MAX_ROWS
+from flashtile.configs import DECODE_MAX_ROWS
 from flashtile.reference import attention_naive, attention_varlen_naive
 from flashtile.testing import check_errors, check_lse, reference_errors
 
@@ -255,7 +255,7 @@ def test_relative_bias_in_the_hopper_forward(seqlens, head_dim, max_distance, op
     table = randn(4, 2 * max_distance + 1, dtype=torch.float32)
     mod = flashtile.mods.relative_bias(table)
     explanation = flashtile.explain(q, k, v, score_mod=mod, device_capability=(9, 0), **options)
-    if seqlens[0] <= DECODE_ROUTE_MAX_ROWS:
+    if seqlens[0] <= DECODE_MAX_ROWS:
         assert explanation.forward.path == "portable" and "query row" in explanation.forward.reason
     else:
         assert explanation.forward.path == "hopper", explanation.forward.reason
