@@ -205,8 +205,8 @@ DECODE_PACKED_MAX_ROWS = 64
 # Calls with at most DECODE_MAX_ROWS query rows per sequence run as decoding (dispatch.decode_route), and
 # so do those of up to DECODE_ROUTE_MAX_ROWS whose keys number at least DECODE_ROUTE_KEYS_PER_ROW per
 # query row: split-KV and a GQA group's heads sharing tiles, where the Hopper kernel's 128-row tile would
-# sit at least half empty and read K and V once per query head. With fewer keys (short square calls:
-# 32-64 rows against 32-256 keys) the Hopper kernel was as fast or faster on an H200.
+# sit at least half empty and read K and V once per query head. With fewer keys (short square calls)
+# the route lost to the Hopper kernel at some shapes, the causal ones (docs/experiments.md, 2026-12-01).
 DECODE_ROUTE_MAX_ROWS = 64
 DECODE_ROUTE_KEYS_PER_ROW = 16
 

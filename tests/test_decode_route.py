@@ -1,7 +1,8 @@
 """Decode-shaped calls through flash_attn_func and flash_attn_varlen_func (dispatch.decode_route):
-at most DECODE_ROUTE_MAX_ROWS query rows per sequence run on the decode kernels, GQA heads as rows
-or sharing tiles where they can, split-KV. Checked against the float64 reference (out, lse, and the backward that reads
-them), with splits forced where the interpreter would not choose them."""
+at most DECODE_MAX_ROWS query rows per sequence, or up to DECODE_ROUTE_MAX_ROWS against enough keys per
+row, run on the decode kernels, GQA heads as rows or sharing tiles where they can, split-KV. Checked
+against the float64 reference (out, lse, and the backward that reads them), with splits forced where
+the interpreter would not choose them."""
 
 import pytest
 import torch
