@@ -404,7 +404,10 @@ def _gluon_forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[P
 class _FittedPlan:
     """A plan made from a config on its first call, shrunk until its kernels fit the GPU's shared
     memory (_within_resources): the tables' tiles are sized for 16-bit inputs, and float32 ones
-    (or a wider value head dim) may need twice the room. Later calls run the plan that fitted."""
+    (or a wider value head dim) may need twice the room. Later calls run the plan that fitted.
+
+    ``make`` closes over the first call's tensors; it is dropped once the plan fits, or a cached
+    plan would keep them (a decoding step's whole K and V) alive as long as it stays cached."""
 
     def __init__(self, make: Callable, cfg: Config):
         self.make, self.cfg, self.plan = make, cfg, None
@@ -418,6 +421,7 @@ class _FittedPlan:
             plan(*args)
             return plan
         self.plan = _within_resources(first, self.cfg)
+        self.make = None
         return None
 
 

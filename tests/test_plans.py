@@ -13,7 +13,7 @@ from flashtile.kernels import plans
 from flashtile.kernels.hopper import launch as hopper_launch
 from flashtile.kernels.portable import launch as portable_launch
 
-from _cases import DTYPES, ON_GPU, check_against_reference, make_qkv, randn
+from _cases import DEVICE, DTYPES, ON_GPU, check_against_reference, make_qkv, randn
 
 
 _CACHES = (dispatch._FORWARD_PLANS, dispatch._BACKWARD_PLANS, dispatch._SPLIT_FORWARD_PLANS, portable_launch._KVCACHE_UPDATE_PLANS)
@@ -256,6 +256,31 @@ def test_plans_keep_no_tensor_alive():
     gc.collect()
     assert all(ref() is None for ref in refs), [i for i, ref in enumerate(refs) if ref() is not None]
     assert len(built) == 7 and built[-1].combine is not None
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_dispatcher_plans_keep_no_tensor_alive(rows):
+    """The dispatcher's plans are made by closures over the first call's tensors (refitted to the
+    shared memory on that call); once made they must drop them, or every cached signature would
+    keep a call's K and V alive: a decoding step's whole cache (one query: the decode route; 40
+    rows: the Hopper or portable forward) and the kv-cache path's split forward."""
+    import gc
+    import weakref
+
+    dtype = torch.float16
+    q, out = randn(2, rows, 4, 64, dtype=dtype), torch.empty(2, rows, 4, 64, device=DEVICE, dtype=dtype)
+    k, v = randn(2, 96, 2, 64, dtype=dtype), randn(2, 96, 2, 64, dtype=dtype)
+    lse = torch.empty(2, 4, rows, device=DEVICE, dtype=torch.float32)
+    seqs = options.PackedSeqs(None, None, rows, 96, seqused_k=torch.tensor([50, 96], dtype=torch.int32, device=DEVICE))
+    refs = [weakref.ref(t) for t in (q, k, v, out, lse)]
+    params = options.ScoreParams(softmax_scale=0.125)
+    forward = dispatch._forward_plan(q, k, v, out, lse, params, None)
+    forward(q, k, v, out, lse, params, None)
+    split = dispatch.attention_forward_split(q, k, v, out, lse, params, seqs, 2)
+    del q, k, v, out, lse, seqs
+    gc.collect()
+    assert all(ref() is None for ref in refs), [i for i, ref in enumerate(refs) if ref() is not None]
+    assert forward is not None and split is not None
 
 
 def test_portable_backward_plan_on_fresh_tensors():
