@@ -348,7 +348,7 @@ class DecodeForward:
             self.seqs = seqs
         batch, rows, max_seqlen_k = grid_lengths(q, k, self.seqs)
         heads, tile_rows = decode_tile(rows, q.shape[2], k.shape[2], pack)
-        splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, q.device)
+        splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, tile_head_dim(q, v), q.device)
         if cfg is None:
             cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
         self.params, self.cfg = params, cfg
@@ -655,27 +655,34 @@ def _within_resources(run: Callable, *cfgs: Config):
 # gain), and splits at most.
 _MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 128
+# Programs of the 16-row decode tile counted per multiprocessor at head dims up to 64: its K/V ring
+# (three 128-key steps, 96 KB) leaves room for a second, and a grid sized for two read faster
+# (docs/experiments.md, 2026-12-02). The other tiles count one: at head dim 128 the ring fills the
+# shared memory, and the 64-row packed tile measured best with grids of one per multiprocessor.
+_DECODE_RESIDENT_D64 = 2
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments; decoding asks once per layer and token
-def _auto_splits(batch: int, nheads: int, tile_rows: int, max_seqlen_k: int, device: torch.device) -> int:
+def _auto_splits(batch: int, nheads: int, tile_rows: int, max_seqlen_k: int, head_dim: int,
+                 device: torch.device) -> int:
     """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
 
     Decoding streams K and V: what counts is that every multiprocessor keeps reading until the end.
-    The model is one program per multiprocessor at a time (the decode tile's K/V ring takes most of
-    the shared memory at head dim 128; a second resident program measured no faster at d64): the
-    grid runs in waves of one program per SM, and a thin last wave idles most of the GPU. Takes the
-    fewest splits within 5% of the best modelled efficiency, each split with at least
-    _MIN_SPLIT_KEYS keys."""
+    The model: the grid runs in waves of a fixed number of programs per multiprocessor (one; two
+    for the 16-row tile at head dims up to 64, _DECODE_RESIDENT_D64), and a thin last wave idles
+    most of the GPU. Takes the fewest splits within 5% of the best modelled efficiency, each split
+    with at least _MIN_SPLIT_KEYS keys."""
     if device.type != "cuda":
         return 1
+    family = _decode_family(tile_rows)
     # The query tiles of FWD_DECODE / FWD_DECODE_PACKED / FWD.
-    rows_per_program = {FWD_DECODE: 16, FWD_DECODE_PACKED: 64, FWD: 128}[_decode_family(tile_rows)]
+    rows_per_program = {FWD_DECODE: 16, FWD_DECODE_PACKED: 64, FWD: 128}[family]
     programs = max(1, batch * nheads * -(-tile_rows // rows_per_program))
-    processors = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    resident = _DECODE_RESIDENT_D64 if family == FWD_DECODE and head_dim <= 64 else 1
+    slots = resident * multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
     def efficiency(grid: int) -> float:
-        return grid / (processors * -(-grid // processors))
+        return grid / (slots * -(-grid // slots))
     # A split's keys are whole key tiles (SplitForward rounds them up; every block_n divides 128),
     # so the counts that can occur are those of 128, 256, ... keys per split.
     fill = {1: efficiency(programs)}
@@ -730,7 +737,8 @@ class KVCacheStep:
             q_rows, k_cache, self.params.with_tensors(alibi_slopes),
             PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens))[1]
         heads, tile_rows = decode_tile(self.rows, heads, nheads_k, self.pack)
-        self.splits = num_splits or _auto_splits(batch, heads, tile_rows, self.capacity, q.device)
+        self.splits = num_splits or _auto_splits(batch, heads, tile_rows, self.capacity, tile_head_dim(q, v_cache),
+                                                 q.device)
         self.table_of_rows = None  # a contiguous cache's rows as a table (rows_table without cache_batch_idx)
         self.update = None  # the update's and the forward's plans, from the first call
         self.forward = None
