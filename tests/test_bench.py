@@ -54,7 +54,7 @@ def test_bad_sizes_name_the_flag(capsys, argv, flag, bad):
     assert f"argument {flag}" in err and bad in err and "1k or 16k" in err
 
 
-@pytest.mark.parametrize("argv,flags", [(["decode", "--causal", "true"], "--causal"),
+@pytest.mark.parametrize("argv,flags", [(["decode", "--modes", "fwd"], "--modes"),
                                         (["varlen", "--batches", "3", "--seqlens", "1k"], "--batches --seqlens"),
                                         (["dense", "--cache-lens=8k"], "--cache-lens=8k")])
 def test_flags_a_mode_ignores_are_rejected(capsys, argv, flags):
@@ -77,6 +77,7 @@ def test_a_mode_is_required_and_help_lists_them(capsys):
     (["dense", "--interpret-smoke", "--seqlens", "16k"], "sizes above 512"),
     (["varlen", "--min-len", "4k", "--max-len", "1k"], "--min-len 4096 is larger than --max-len 1024"),
     (["decode", "--cache-lens", "1000"], "not a multiple of --page 256"),
+    (["decode", "--rounds", "0"], "--rounds must be at least 1, got 0"),
 ])
 def test_impossible_runs_are_refused_before_any_work(capsys, argv, message):
     assert message in _error(capsys, argv)
@@ -224,14 +225,17 @@ def test_varlen_smoke(tmp_path, capsys, monkeypatch):
 @needs_interpreter
 def test_decode_smoke(tmp_path, capsys, monkeypatch):
     _absent(monkeypatch)
-    assert bench.main(["decode", "--interpret-smoke", "--seqlen-q", "2", "--anchors", "sdpa,fa4",
+    assert bench.main(["decode", "--interpret-smoke", "--seqlen-q", "1,2", "--causal", "both", "--anchors", "sdpa,fa4",
                        "--out", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "decode.json").read_text())
-    assert [(r["system"], r["seqlen_q"], r["ok"]) for r in document["records"]] == [
-        ("flashtile", 2, True), ("flashtile-paged", 2, True), ("flashtile-func", 2, True),
-        ("flashtile-varlen", 2, True), ("sdpa", 2, True)]
-    assert document["meta"]["causal"] is True and document["meta"]["anchors"]["fa4"].startswith("not available")
-    assert "| 2 | 64 | 2 |" in (tmp_path / "decode.md").read_text()
+    systems = ["flashtile", "flashtile-paged", "flashtile-func", "flashtile-varlen", "sdpa"]
+    # One query row runs once (not causal); two run with and without the causal mask.
+    assert [(r["system"], r["seqlen_q"], r["causal"], r["ok"]) for r in document["records"]] == [
+        (name, rows, causal, True) for rows, causal in ((1, False), (2, False), (2, True)) for name in systems]
+    assert document["meta"]["causal"] == [False, True]
+    assert document["meta"]["anchors"]["fa4"].startswith("not available")
+    markdown = (tmp_path / "decode.md").read_text()
+    assert "| 2 | 64 | 2 | yes |" in markdown and "| 2 | 64 | 1 | no |" in markdown
     capsys.readouterr()
 
 

@@ -2,10 +2,10 @@
 on a contiguous and a paged cache, flash_attn_func and flash_attn_varlen_func on the contiguous
 cache) next to the copy bandwidth and the anchors.
 
-A few new queries per sequence (--seqlen-q, default 1; more is speculative decoding, causal and
-bottom-right aligned), 32 query heads over 8 KV heads, head dim 128, bf16, for batch 1..128 and
-cache lengths 1k..128k, contiguous and paged (page 256) caches. The figure of merit is bandwidth:
-bytes of K and V read (2 * batch * cache * heads_k * headdim * 2) per second, against a
+A few new queries per sequence (--seqlen-q, a list, default 1; more is speculative decoding, causal
+and bottom-right aligned unless --causal says otherwise), 32 query heads over 8 KV heads, head dim
+128, bf16, for batch 1..128 and cache lengths 1k..128k, contiguous and paged (page 256) caches. The
+figure of merit is bandwidth: bytes of K and V read (2 * batch * cache * heads_k * headdim * 2) per second, against a
 device-to-device copy measured in the same run (bytes read + written per second: what a streaming
 kernel gets) and against the anchors on the same contiguous cache: torch SDPA with its own backend
 choice, pinned to cuDNN and to FlashAttention-2, and FlashAttention-4 where it imports. Each point
@@ -13,7 +13,9 @@ is checked against SDPA's math backend in float32 first.
 
 Two timings per point: "graph" replays the calls from a CUDA graph (as serving engines decode), so
 it is the GPU's time alone; "eager" is do_bench on plain calls, which adds the Python and launch
-overhead where that is longer than the GPU's time (small caches).
+overhead where that is longer than the GPU's time (small caches). The ratios take flashtile's slowest
+entry point among flash_attn_with_kvcache (contiguous), flash_attn_func and flash_attn_varlen_func
+against each anchor, and against the best anchor of the point, in both timings.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from __future__ import annotations
 import argparse
 
 from . import anchors
-from .common import (fill_defaults, add_common_arguments, check_out_dir, check_smoke_sizes, choice_list, collect_meta,
-                     default_out_dir, do_bench_ms, failure_reason, free_device_memory, parse_size, Progress,
-                     relative_error, require_torch, run_device, size_list, warm_up_gpu, write_json)
+from .common import (fill_defaults, CAUSAL_CHOICES, add_common_arguments, check_out_dir, check_smoke_sizes,
+                     choice_list, collect_meta, default_out_dir, do_bench_ms, failure_reason, free_device_memory,
+                     parse_size, Progress, relative_error, require_torch, run_device, size_list, warm_up_gpu,
+                     write_json)
 from .report import Table, geomean, render_text, save_plot, skipped_notes, write_markdown
 
 PROG = "python -m flashtile bench decode"
@@ -32,6 +35,8 @@ PROG = "python -m flashtile bench decode"
 LAYOUTS = ("contiguous", "paged", "func", "varlen")
 OWN_SYSTEMS = {"contiguous": "flashtile", "paged": "flashtile-paged", "func": "flashtile-func",
                "varlen": "flashtile-varlen"}
+# The entry points the ratios compare (the anchors read the contiguous cache, so paged is shown alone).
+ENTRY_POINTS = ("flashtile", "flashtile-func", "flashtile-varlen")
 ANCHORS = {
     "sdpa": "torch SDPA, its own backend choice",
     "cudnn": "torch SDPA, CUDNN_ATTENTION backend",
@@ -171,17 +176,29 @@ def anchor_status(names: list[str]) -> dict[str, str]:
     return {name: (anchors.fa4().status if name == "fa4" else f"run ({ANCHORS[name]})") for name in names}
 
 
+def point_key(record: dict) -> tuple:
+    return record["batch"], record["cache"], record["seqlen_q"], record["causal"]
+
+
+def slowest_entry(cells: dict, systems: list[str], field: str) -> float | None:
+    """The lowest GB/s (``field``) among flashtile's entry points in ``cells``; None if one has none."""
+    values = [cells.get(s, {}).get(field) for s in systems if s in ENTRY_POINTS]
+    return min(values) if values and all(values) else None
+
+
 def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
-    """GB/s from CUDA-graph replay (% of copy) / eager, per system; flashtile's ratio to each anchor."""
-    base = "flashtile" if "flashtile" in systems else systems[0]
+    """GB/s from CUDA-graph replay (% of copy) / eager, per system; flashtile's slowest entry point
+    against each anchor (graph) and against the point's best anchor (graph and eager)."""
     others = [s for s in systems if not s.startswith("flashtile")]
-    header = ["batch", "cache", "sq", *systems, *(f"ft/{s}" for s in others), "ok"]
-    keys = sorted({(r["batch"], r["cache"], r["seqlen_q"]) for r in records})
+    header = ["batch", "cache", "sq", "causal", *systems, *(f"ft/{s}" for s in others)]
+    if others:
+        header += ["ft/best", "ft/best eager"]
+    header.append("ok")
     ratios: dict = {}
     rows = []
-    for key in keys:
-        cells = {r["system"]: r for r in records if (r["batch"], r["cache"], r["seqlen_q"]) == key}
-        row = [str(k) for k in key]
+    for key in sorted({point_key(r) for r in records}):
+        cells = {r["system"]: r for r in records if point_key(r) == key}
+        row = [str(k) for k in key[:3]] + ["yes" if key[3] else "no"]
         for system in systems:
             r = cells.get(system)
             if r is None:
@@ -192,19 +209,30 @@ def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
                 row.append(f"{r['rel_err']:.1e}")
             else:
                 row.append("skip")
+        ft = slowest_entry(cells, systems, "graph_gbps")
         for other in others:
-            ft, ref = (cells.get(s, {}).get("graph_gbps") for s in (base, other))
+            ref = cells.get(other, {}).get("graph_gbps")
             if ft and ref:
                 ratios.setdefault(other, []).append(ft / ref)
             row.append(f"{ft / ref:.2f}" if ft and ref else "-")
+        for field, label in (("graph_gbps", "best"), ("gbps", "best eager")):
+            if not others:
+                break
+            mine = slowest_entry(cells, systems, field)
+            best = max((cells.get(o, {}).get(field) or 0 for o in others), default=0)
+            if mine and best:
+                ratios.setdefault(label, []).append(mine / best)
+            row.append(f"{mine / best:.2f}" if mine and best else "-")
         failing = [s for s in systems if cells.get(s, {}).get("ok") is False]
         row.append("FAIL:" + ",".join(failing) if failing else "ok")
         rows.append(row)
     notes = []
+    entries = [s for s in systems if s in ENTRY_POINTS]
     if timing:
-        notes.append("cells: GB/s of K and V read, CUDA-graph replay (% of copy bandwidth) / eager calls; "
-                     f"ft/x on the graph timings of {base}")
-    parts = [f"{o} {geomean(ratios[o]):.2f}" for o in others if o in ratios]
+        notes.append("cells: GB/s of K and V read, CUDA-graph replay (% of copy bandwidth) / eager calls; ft/x: the "
+                     f"slowest of {', '.join(entries)} against x (graph timings); ft/best: against the point's "
+                     "fastest anchor (graph / eager timings)")
+    parts = [f"{o} {geomean(v):.2f} (min {min(v):.2f})" for o, v in ratios.items()]
     if parts:
         notes.append("geomean flashtile/x: " + ", ".join(parts))
     notes += skipped_notes((r["system"], r.get("skipped")) for r in records)
@@ -212,22 +240,28 @@ def build_table(records: list[dict], systems: list[str], timing: bool) -> Table:
 
 
 def draw_plot(records: list[dict], systems: list[str], copy_gbps: float, title: str):
-    """GB/s (graph timing) against cache length, one panel per batch, the copy bandwidth dashed."""
+    """GB/s (graph timing) against cache length: a row of panels per (query rows, causal), one panel
+    per batch, the copy bandwidth dashed."""
 
     def draw(plt):
         batches = sorted({r["batch"] for r in records})
-        fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 3.4), sharey=True, squeeze=False)
-        for ax, batch in zip(axes[0], batches):
-            for name in systems:
-                points = sorted((r["cache"], r["graph_gbps"]) for r in records
-                                if r["batch"] == batch and r["system"] == name and r.get("graph_gbps"))
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=name)
-            ax.axhline(copy_gbps, color="gray", linestyle="--", linewidth=1, label="copy")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"batch {batch}")
+        variants = sorted({(r["seqlen_q"], r["causal"]) for r in records})
+        fig, axes = plt.subplots(len(variants), len(batches), figsize=(3.2 * len(batches), 3.0 * len(variants)),
+                                 sharey=True, squeeze=False)
+        for axes_row, (seqlen_q, causal) in zip(axes, variants):
+            for ax, batch in zip(axes_row, batches):
+                for name in systems:
+                    points = sorted((r["cache"], r["graph_gbps"]) for r in records
+                                    if (r["batch"], r["seqlen_q"], r["causal"], r["system"]) ==
+                                    (batch, seqlen_q, causal, name) and r.get("graph_gbps"))
+                    if points:
+                        ax.plot(*zip(*points), marker="o", label=name)
+                ax.axhline(copy_gbps, color="gray", linestyle="--", linewidth=1, label="copy")
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"batch {batch}, {seqlen_q} q{', causal' if causal else ''}", fontsize=8)
+            axes_row[0].set_ylabel("GB/s of K and V read")
+        for ax in axes[-1]:
             ax.set_xlabel("cache length")
-        axes[0][0].set_ylabel("GB/s of K and V read")
         axes[0][-1].legend(fontsize=7)
         fig.suptitle(title, fontsize=9)
         return fig
@@ -239,8 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--batches", type=size_list, default=None, help="batch sizes (default: 1,8,32,64,128)")
     add("--cache-lens", type=size_list, default=None, help="cache lengths (default: 1k,8k,32k,128k)")
-    add("--seqlen-q", type=parse_size, default=1,
-        help="new queries per sequence; above 1 they are causal, bottom-right aligned (default: %(default)s)")
+    add("--seqlen-q", type=size_list, default=[1], help="new queries per sequence, a list (default: 1)")
+    add("--causal", choices=tuple(CAUSAL_CHOICES), default="true",
+        help="above one query per sequence: causal (bottom-right aligned), not, or both (default: %(default)s)")
     add("--heads", type=int, default=None, help="query heads (default: 32)")
     add("--heads-k", type=int, default=None, help="key/value heads, dividing --heads (default: 8)")
     add("--headdim", type=int, default=None, help="head dim (default: 128)")
@@ -253,6 +288,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
         default=None, help="anchors timed in the same run: " + ", ".join(f"{k} ({v})" for k, v in ANCHORS.items())
                            + "; 'none' for flashtile alone (default: all; none with --interpret-smoke)")
+    add("--rounds", type=int, default=2,
+        help="timing rounds: the systems of a point take turns in each; the fastest round is kept "
+             "(default: %(default)s)")
     add("--max-cache-gib", type=float, default=24.0,
         help="skip points whose K + V exceed this many GiB (default: %(default)s)")
     add_common_arguments(parser)
@@ -265,9 +303,14 @@ def resolve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser)
     for length in args.cache_lens:
         if length % args.page:
             parser.error(f"cache length {length} is not a multiple of --page {args.page}")
-        if length < args.seqlen_q:
-            parser.error(f"cache length {length} is shorter than --seqlen-q {args.seqlen_q}")
-    check_smoke_sizes(parser, args, (*args.batches, *args.cache_lens, args.headdim, args.seqlen_q))
+        if length < max(args.seqlen_q):
+            parser.error(f"cache length {length} is shorter than --seqlen-q {max(args.seqlen_q)}")
+    # One query row sees every key either way: it runs once, not causal.
+    args.variants = [(rows, causal) for rows in args.seqlen_q
+                     for causal in ([False] if rows == 1 else CAUSAL_CHOICES[args.causal])]
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    check_smoke_sizes(parser, args, (*args.batches, *args.cache_lens, args.headdim, *args.seqlen_q))
     return args
 
 
@@ -279,7 +322,6 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     device = run_device(args, PROG)
     dtype = getattr(torch, DTYPES[args.dtype])
     tolerance = TOLERANCE[args.dtype]
-    causal = args.seqlen_q > 1
     systems = system_names(args.layouts, args.anchors)
     element = torch.finfo(dtype).bits // 8
     points = [(b, n) for b in args.batches for n in args.cache_lens
@@ -287,11 +329,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     meta = collect_meta(command, device, {
         "bench": "decode", "interpret_smoke": smoke, "anchors": anchor_status(args.anchors), "systems": systems,
         "dtype": args.dtype, "timing": not smoke, "tolerance": tolerance, "seqlen_q": args.seqlen_q,
-        "causal": causal, "nheads": args.heads, "nheads_k": args.heads_k, "headdim": args.headdim,
-        "page": args.page, "max_cache_gib": args.max_cache_gib})
+        "causal": sorted({causal for _, causal in args.variants}), "nheads": args.heads, "nheads_k": args.heads_k,
+        "headdim": args.headdim, "page": args.page, "max_cache_gib": args.max_cache_gib, "rounds": args.rounds})
     out_dir = check_out_dir(args.out or default_out_dir("decode", meta["gpu"]))
     where = meta["gpu"] or "CPU, TRITON_INTERPRET=1"
-    progress = Progress(len(points) * len(systems))
+    progress = Progress(len(points) * len(args.variants) * len(systems) * (1 if smoke else args.rounds))
     for name, status in meta["anchors"].items():
         progress.note(f"anchor {name}: {status}")
     copy_bw = None
@@ -304,46 +346,39 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     records: list[dict] = []
     for batch, length in points:
         kv_bytes = 2 * batch * length * args.heads_k * args.headdim * element
-        q, k_cache, v_cache, seqlens, table = decode_inputs(torch, batch, length, args.seqlen_q, args.heads,
-                                                            args.heads_k, args.headdim, args.page, dtype, device)
-        k_paged, v_paged = paged_copy(torch, k_cache, v_cache, table)
-        calls = point_systems(systems, q, k_cache, v_cache, seqlens, table, k_paged, v_paged, causal)
-        checked = min(batch, CHECKED_SEQUENCES)
-        with torch.no_grad():
-            expected = sdpa(q[:checked].float(), k_cache[:checked].float(), v_cache[:checked].float(),
-                            SDPBackend.MATH, causal)
-            for name in systems:
-                record = dict(system=name, batch=batch, cache=length, seqlen_q=args.seqlen_q, kv_bytes=kv_bytes,
-                              rel_err=None, ok=None, skipped=None)
-                fn = calls[name]
-                try:
-                    record["rel_err"] = relative_error(fn()[:checked], expected)
-                    record["ok"] = record["rel_err"] < tolerance
-                    if not smoke:
-                        ms, graph_ms = do_bench_ms(fn, 10, 50), graph_time_ms(torch, fn)
-                        record.update(ms=ms, gbps=kv_bytes / (ms * 1e-3) / 1e9,
-                                      of_copy=kv_bytes / (ms * 1e-3) / copy_bw, graph_ms=graph_ms,
-                                      graph_gbps=kv_bytes / (graph_ms * 1e-3) / 1e9,
-                                      graph_of_copy=kv_bytes / (graph_ms * 1e-3) / copy_bw)
-                except Exception as exc:  # a backend without a kernel for this shape: reported, not fatal
-                    record["skipped"] = failure_reason(exc)
-                records.append(record)
-                if record.get("graph_gbps"):
-                    shown = (f"graph {record['graph_gbps']:5.0f} GB/s ({100 * record['graph_of_copy']:5.1f}% of "
-                             f"copy), eager {record['gbps']:5.0f}, rel err {record['rel_err']:.1e}")
-                elif record["skipped"]:
-                    shown = f"skipped: {record['skipped'][:120]}"
-                else:
-                    shown = f"rel err {record['rel_err']:.1e} {'ok' if record['ok'] else 'FAIL'}"
-                progress.step(f"b={batch:<4} cache={length:<7} {name:<15} {shown}")
-        write_json(out_dir / "decode.json", meta, records, complete=False)
-        q = k_cache = v_cache = k_paged = v_paged = calls = None  # free the point before the next one
-        free_device_memory(device)
+        for seqlen_q, causal in args.variants:
+            q, k_cache, v_cache, seqlens, table = decode_inputs(torch, batch, length, seqlen_q, args.heads,
+                                                                args.heads_k, args.headdim, args.page, dtype, device)
+            k_paged, v_paged = (paged_copy(torch, k_cache, v_cache, table) if "flashtile-paged" in systems
+                                else (None, None))
+            calls = point_systems(systems, q, k_cache, v_cache, seqlens, table, k_paged, v_paged, causal)
+            checked = min(batch, CHECKED_SEQUENCES)
+            with torch.no_grad():
+                expected = sdpa(q[:checked].float(), k_cache[:checked].float(), v_cache[:checked].float(),
+                                SDPBackend.MATH, causal)
+                point = []
+                for name in systems:
+                    record = dict(system=name, batch=batch, cache=length, seqlen_q=seqlen_q, causal=causal,
+                                  kv_bytes=kv_bytes, rel_err=None, ok=None, skipped=None)
+                    check_point(record, calls[name], expected, checked, tolerance)
+                    point.append(record)
+                # The systems take turns, round after round: a slow spell of the GPU does not land on one.
+                for _ in range(1 if smoke else args.rounds):
+                    for record in point:
+                        if not smoke and record["skipped"] is None:
+                            time_point(torch, record, calls[record["system"]], copy_bw)
+                        shape = f"b={batch:<4} cache={length:<7} sq={seqlen_q:<3}{' causal' if causal else ''}"
+                        progress.step(f"{shape:<36} {record['system']:<16} {describe(record)}")
+                records += point
+            write_json(out_dir / "decode.json", meta, records, complete=False)
+            q = k_cache = v_cache = k_paged = v_paged = calls = expected = None  # free before the next point
+            free_device_memory(device)
 
     table = build_table(records, systems, timing=not smoke)
     write_json(out_dir / "decode.json", meta, records, complete=True)
-    details = [f"- seqlen_q {args.seqlen_q}{' (causal)' if causal else ''}, {args.heads} query heads over "
-               f"{args.heads_k} KV heads, head dim {args.headdim}, {args.dtype}, page {args.page}"
+    rows = ", ".join(f"{rows}{' causal' if causal else ''}" for rows, causal in args.variants)
+    details = [f"- query rows per sequence: {rows}; {args.heads} query heads over {args.heads_k} KV heads, head dim "
+               f"{args.headdim}, {args.dtype}, page {args.page}"
                + (f"; copy bandwidth {copy_bw / 1e9:.0f} GB/s (bytes read + written per second)" if copy_bw else "")]
     write_markdown(out_dir / "decode.md", "flashtile decode benchmark", meta, details, table)
     if copy_bw:
@@ -353,3 +388,37 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     print(f"\n== decode | {where} | results in {out_dir}", flush=True)
     print(render_text(table), flush=True)
     return 1 if any(r["system"].startswith("flashtile") and (r["ok"] is False or r["skipped"]) for r in records) else 0
+
+
+def check_point(record: dict, fn, expected, checked: int, tolerance: float) -> None:
+    """``fn``'s relative error against ``expected`` on the first ``checked`` sequences, into ``record``."""
+    try:
+        record["rel_err"] = relative_error(fn()[:checked], expected)
+        record["ok"] = record["rel_err"] < tolerance
+    except Exception as exc:  # a backend without a kernel for this shape: reported, not fatal
+        record["skipped"] = failure_reason(exc)
+
+
+def time_point(torch, record: dict, fn, copy_bw: float) -> None:
+    """Time ``fn`` eagerly and from a CUDA graph, into ``record``: the fastest of the rounds so far
+    (each round's graph time is kept in graph_ms_rounds)."""
+    kv_bytes = record["kv_bytes"]
+    try:
+        ms, graph_ms = do_bench_ms(fn, 10, 50), graph_time_ms(torch, fn)
+    except Exception as exc:
+        record["skipped"] = failure_reason(exc)
+        return
+    record.setdefault("graph_ms_rounds", []).append(graph_ms)
+    ms, graph_ms = min(ms, record.get("ms", ms)), min(graph_ms, record.get("graph_ms", graph_ms))
+    record.update(ms=ms, gbps=kv_bytes / (ms * 1e-3) / 1e9, of_copy=kv_bytes / (ms * 1e-3) / copy_bw,
+                  graph_ms=graph_ms, graph_gbps=kv_bytes / (graph_ms * 1e-3) / 1e9,
+                  graph_of_copy=kv_bytes / (graph_ms * 1e-3) / copy_bw)
+
+
+def describe(record: dict) -> str:
+    if record.get("graph_gbps"):
+        return (f"graph {record['graph_gbps']:5.0f} GB/s ({100 * record['graph_of_copy']:5.1f}% of copy), "
+                f"eager {record['gbps']:5.0f}, rel err {record['rel_err']:.1e}")
+    if record["skipped"]:
+        return f"skipped: {record['skipped'][:120]}"
+    return f"rel err {record['rel_err']:.1e} {'ok' if record['ok'] else 'FAIL'}"
