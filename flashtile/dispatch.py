@@ -656,9 +656,10 @@ def _within_resources(run: Callable, *cfgs: Config):
 _MIN_SPLIT_KEYS = 256
 _MAX_SPLITS = 128
 # Programs of the 16-row decode tile counted per multiprocessor at head dims up to 64: its K/V ring
-# (three 128-key steps, 96 KB) leaves room for a second, and a grid sized for two read faster
-# (docs/experiments.md, 2026-12-02). The other tiles count one: at head dim 128 the ring fills the
-# shared memory, and the 64-row packed tile measured best with grids of one per multiprocessor.
+# (96 KB by default, 64 KB in sm90's table) leaves room for a second, and grids sized for two read
+# faster than for one or three (docs/experiments.md, 2026-12-02). The other tiles count one: at head
+# dim 128 the ring fills the shared memory, and the 64-row packed tile measured best with grids of one
+# per multiprocessor.
 _DECODE_RESIDENT_D64 = 2
 
 

@@ -439,8 +439,7 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     """(variant, part, build) of the portable forward: dense, packed, paged, a kv cache (paged,
     left-padded), split-KV decoding and its combine, the kv-cache update, dense with mods and
     with an attn_bias, and dense with values of half the head dim."""
-    from ..dispatch import attention_forward_split
-    from ..kernels.portable.launch import launch_forward, launch_kvcache_update
+    from ..kernels.portable.launch import SplitForward, dependents_launch_point, launch_forward, launch_kvcache_update
 
     h = 1024 // d
     params = _params(causal)
@@ -464,6 +463,7 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     # 16 query rows: 64 packed rows, the packed decode tile.
     q16, out16, lse16 = _empty(2, 16, h, d, dtype=dtype), _empty(2, 16, h, d, dtype=torch.float32), _empty(
         2, h, 16, dtype=torch.float32)
+    dependents = dependents_launch_point(d)  # the split forwards' combine launch (sm90's)
     rows = [
         ("fwd/dense", "fwd", lambda: launch_forward(q, q, q, out, lse, params, cfg)),
         ("fwd/varlen", "fwd", lambda: launch_forward(qv, qv, qv, outv, lsev, _with_sink(params, h), cfg,
@@ -471,18 +471,19 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
         ("fwd/paged", "fwd", lambda: launch_forward(qv, pages, pages, outv, lsev, params, cfg, paged)),
         ("fwd/decode-split", "fwd", lambda: launch_forward(
             q1, pages, pages, out1, lse1, params, dec, PackedSeqs(cu1, cu, 1, 600, block_table=table),
-            splits=(3, 256, out1.numel(), lse1.numel()))),
+            splits=(3, 256, out1.numel(), lse1.numel()), launch_dependents=dependents)),
         ("fwd/kvcache", "fwd", lambda: launch_forward(
             qv, pages, pages, outv, lsev, params, cfg, PackedSeqs(cu, cu, 600, 600, block_table=table,
                                                                   key_shift=_ints([0, 400])))),
-        ("fwd/combine", "combine", lambda: attention_forward_split(qv, pages, pages, outv, lsev, _with_sink(params, h),
-                                                                   paged, 3)),
+        ("fwd/combine", "combine", lambda: SplitForward(qv, pages, pages, outv, lsev, _with_sink(params, h), paged, 3,
+                                                        dec, overlap=True)(qv, pages, pages, outv, lsev,
+                                                                           _with_sink(params, h), paged)),
         ("fwd/decode-pack-gqa", "fwd", lambda: launch_forward(
             q4, k4, k4, out4, lse4, params, dec, PackedSeqs(None, None, 4, 600, dense_batch=2),
-            splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True)),
+            splits=(3, 256, out4.numel(), lse4.numel()), pack_gqa=True, launch_dependents=dependents)),
         ("fwd/decode-pack-gqa-64", "fwd", lambda: launch_forward(
             q16, k4, k4, out16, lse16, params, dec_packed, PackedSeqs(None, None, 16, 600, dense_batch=2),
-            splits=(3, 256, out16.numel(), lse16.numel()), pack_gqa=True)),
+            splits=(3, 256, out16.numel(), lse16.numel()), pack_gqa=True, launch_dependents=dependents)),
         ("fwd/mods", "fwd", lambda: launch_forward(q, q, q, out, lse, _mod_params(causal, h, 512), cfg)),
         ("fwd/attn-bias", "fwd", lambda: launch_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 512), cfg)),
         ("fwd/head-dim-v", "fwd", lambda: launch_forward(q, q, q[..., :d // 2].contiguous(), out[..., :d // 2],

@@ -9,6 +9,7 @@ out = 0 and lse = -inf, as everywhere else. A learnable sink (sink.py) joins her
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .scores import LN2, LOG2E
 from .sink import fold_sink, load_sink_log2
@@ -22,7 +23,7 @@ def attn_combine_kernel(
     stride_ob, stride_or, stride_oh, stride_lse_b, stride_lse_h,
     num_rows, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, stride_lse_r=1,
-    Sink=None,
+    Sink=None, WAIT_PRIOR: tl.constexpr = False,
 ):
     """OutPartial (split, batch, row, head, d) float32, LsePartial (split, batch, head, row) float32
     -> Out (batch, row, head, d), Lse (batch, head, row) (rows stride_lse_r apart; the partial lse
@@ -30,7 +31,11 @@ def attn_combine_kernel(
 
     Splits are read BLOCK_S at a time, as one tile: a decode step merges a handful of rows over
     8-128 splits, and a loop of one split per step would wait on each load in turn (a chain of
-    memory latencies longer than the split forward itself). Sink: None, or (nheads,) sink logits."""
+    memory latencies longer than the split forward itself). Sink: None, or (nheads,) sink logits.
+    WAIT_PRIOR: launched as a programmatic dependent launch (sm90 on) behind the split forward, so its
+    programs may start before that kernel ends: they wait for its results (griddepcontrol.wait) first."""
+    if WAIT_PRIOR:
+        gdc_wait()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)

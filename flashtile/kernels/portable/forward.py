@@ -3,6 +3,7 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .dropout import dropout_keep, dropout_row_offset
 from .scores import (LN2, LOG2E, band_block_range, listed_tile_start, mask_mod_scores, mask_scores, mod_positions,
@@ -114,7 +115,7 @@ def attn_fwd_kernel(
     BlockLists=None, stride_lists_b=0, stride_lists_h=0, list_width=0,
     MASK_BLOCK_M: tl.constexpr = 1, MASK_BLOCK_N: tl.constexpr = 1, FULL_TILES_MASKED: tl.constexpr = False,
     LOOP_IN_BOUNDS: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
-    Sink=None,
+    Sink=None, LAUNCH_DEPENDENTS: tl.constexpr = 0,
 ):
     """Q, K, V, Out are (b, s, h, d) pointers, or 4-D tensor descriptors when USE_TMA (dense only).
     Varlen: see seqlens.py (seqlen_q, seqlen_k are the packed totals). Paged K/V (PAGE_SIZE > 0,
@@ -137,7 +138,11 @@ def attn_fwd_kernel(
     element mask (the host folded the band and the sequence ends into the lists) unless
     FULL_TILES_MASKED. HEAD_DIM_V / BLOCK_DV: V's and Out's head dim and its tile width, when it differs
     from Q's and K's (None: the same). Sink: None, or (nheads,) learnable sink logits (sink.py), taken in
-    here unless SPLIT_KV (the combine kernel takes them then)."""
+    here unless SPLIT_KV (the combine kernel takes them then). LAUNCH_DEPENDENTS: 0, or when the next
+    launch (the split-KV combine, a programmatic dependent launch, which waits for this kernel's results
+    itself) may start: once every program has started (1) or has folded its keys (2)."""
+    if LAUNCH_DEPENDENTS == 1:
+        gdc_launch_dependents()
     V_DIM: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
     V_BLOCK_D: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     split = 0
@@ -278,6 +283,8 @@ def attn_fwd_kernel(
             SCORE_MOD, None, ScoreAux, MaskAux, full_indices + list_row.to(tl.int64) * list_width, MASK_BLOCK_N,
             LOOP_IN_BOUNDS=LOOP_IN_BOUNDS)
 
+    if LAUNCH_DEPENDENTS == 2:
+        gdc_launch_dependents()
     if Sink is not None:
         if not SPLIT_KV:
             if PACK_GQA:

@@ -17,7 +17,7 @@ import triton
 from ... import triton_compat
 from ...configs import BWD_DKDV, BWD_DQ, DECODE_MAX_ROWS, FWD, FWD_DECODE, get_config, padded_head_dim, tile_head_dim
 from ...options import PackedSeqs, ScoreParams, grid_lengths
-from ...runtime import arch_of, empty
+from ...runtime import arch_of, empty, programmatic_launch
 from ..hopper.tma import TileDescriptorTemplate, tma_aligned
 from ..plans import CompiledCall, PlanCache, tensor_signature
 from ..plans import enabled as plans_enabled
@@ -109,11 +109,13 @@ def forward_kernel(q, k, seqs: Optional[PackedSeqs]) -> str:
 
 
 def launch_forward(q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
-                   splits: Optional[tuple] = None, pack_gqa: bool = False) -> None:
+                   splits: Optional[tuple] = None, pack_gqa: bool = False, launch_dependents: int = 0) -> None:
     """The portable forward with an explicit config (the autotuner times several). ``splits``:
     (num_splits, keys_per_split, split stride of out, of lse) for attention_forward_split;
-    ``pack_gqa``: a GQA group's query heads share each tile (decode-shaped calls)."""
-    PortableForward(q, k, v, out, lse, params, cfg, seqs, splits, pack_gqa)(q, k, v, out, lse, params, seqs)
+    ``pack_gqa``: a GQA group's query heads share each tile (decode-shaped calls); ``launch_dependents``:
+    when the next launch (a split-KV combine) may start (dependents_launch_point)."""
+    PortableForward(q, k, v, out, lse, params, cfg, seqs, splits, pack_gqa, launch_dependents)(
+        q, k, v, out, lse, params, seqs)
 
 
 class PortableForward:
@@ -123,7 +125,7 @@ class PortableForward:
     alignment and scalar options (the plan key's job)."""
 
     def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
-                 splits: Optional[tuple] = None, pack_gqa: bool = False):
+                 splits: Optional[tuple] = None, pack_gqa: bool = False, launch_dependents: int = 0):
         batch, max_seqlen_q, max_seqlen_k = grid_lengths(q, k, seqs)
         nheads, head_dim = q.shape[2], q.shape[3]
         cfg = fit_block_mask(cfg, params)
@@ -151,7 +153,8 @@ class PortableForward:
                  split_stride_o=split_stride_o, split_stride_lse=split_stride_lse, SPLIT_KV=splits is not None,
                  SCALE_IN_EXP2=params.scaled_dot_products, USE_TMA=use_tma,
                  WARP_SPECIALIZE=use_tma and cfg.warp_specialize, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 **({"PACK_GQA": True} if pack_gqa else {}), **_row_stride(lse),
+                 **({"PACK_GQA": True} if pack_gqa else {}),
+                 **({"LAUNCH_DEPENDENTS": launch_dependents} if launch_dependents else {}), **_row_stride(lse),
                  **params.mod_args("fwd", seqs is not None), **_loop_in_bounds(params, seqs, max_seqlen_k, cfg.block_n),
                  **cfg.launch_kwargs()),
             slots=("Q", "K", "V", "Out", "Lse", "AlibiSlopes", "DropoutSeed", "Sink", "CuSeqlensQ", "CuSeqlensK",
@@ -170,13 +173,21 @@ class PortableForward:
 COMBINE_ROWS = 1  # rows of the split-KV combine's programs
 
 
+def dependents_launch_point(head_dim: int) -> int:
+    """Where the split forward lets its combine launch (attn_fwd_kernel's LAUNCH_DEPENDENTS): once every
+    program has started at head dims up to 64 (two programs per multiprocessor; 1.02-1.06x on 8-67 MB
+    steps), once every program has folded its keys above (starting the combine's programs beside
+    one-per-multiprocessor d128 programs slowed 8k-key steps by up to 9%; docs/experiments.md, 2026-12-02)."""
+    return 1 if padded_head_dim(head_dim) <= 64 else 2
+
+
 class SplitForward:
     """attention_forward_split for one call signature (kernels/plans.py): the split forward writes
     float32 partial outputs and logsumexps (allocated per call), the combine kernel merges them.
     With one split left (too few keys), the plain portable forward."""
 
     def __init__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int, cfg=None,
-                 pack_gqa: bool = False):
+                 pack_gqa: bool = False, overlap: Optional[bool] = None):
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
         if cfg is None:  # the dispatcher's choice (an explicit one: the C export's captures)
             cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
@@ -195,9 +206,15 @@ class SplitForward:
         out_parts, lse_parts = (torch.empty(shape, dtype=torch.float32, device="meta") for shape in parts_shapes)
         self.lse_offset = (out_parts.numel() + 3) // 4 * 4
         self.parts_numel = self.lse_offset + lse_parts.numel()
+        # On sm90 the combine is a programmatic dependent launch (``overlap``; None: where the device has
+        # them): its launch overlaps the split forward's last programs instead of following the kernel's
+        # end, a gap a decode step of a few microseconds would otherwise pay.
+        if overlap is None:
+            overlap = programmatic_launch(q.device)
         self.forward = PortableForward(q, k, v, out_parts[0], lse_parts[0], params, cfg, seqs,
                                        splits=(num_splits, keys_per_split, out_parts.stride(0), lse_parts.stride(0)),
-                                       pack_gqa=pack_gqa)
+                                       pack_gqa=pack_gqa,
+                                       launch_dependents=dependents_launch_point(tile_head_dim(q, v)) if overlap else 0)
         batch, rows, nheads, head_dim = out.shape
         # One row per program (a decode step has few rows: programs come from rows and heads, and
         # the C export's binding assumes one), and all splits in one tile up to 8K floats.
@@ -207,7 +224,8 @@ class SplitForward:
             attn_combine_kernel, (triton.cdiv(rows, block_r), nheads, batch),
             (None, None, None, None, *out_parts.stride()[:4], *lse_parts.stride()[:3], out.stride(0), out.stride(1),
              out.stride(2), lse.stride(0), lse.stride(1), rows, num_splits),
-            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s, **_row_stride(lse)),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s, **_row_stride(lse),
+                 **({"WAIT_PRIOR": True, "launch_pdl": True} if overlap else {})),
             slots=("OutPartial", "LsePartial", "Out", "Lse", "Sink"))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs):
