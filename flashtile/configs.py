@@ -294,9 +294,9 @@ _TUNED: dict = {
                                    warp_specialize=True)),
             Rule(256, KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)),
         ],
-        # Decoding at head dims up to 64: 64-key steps four deep (a 64 KB K/V ring) stream faster than
-        # the default's 128-key steps three deep, at the split counts _auto_splits picks: 1.02-1.11x
-        # with 32/8 heads, equal with 8/1 (H200 sweeps, docs/experiments.md, 2026-12-02).
+        # Decoding at head dims up to 64: 64-key steps four deep (a 64 KB K/V ring) keep more loads in
+        # flight per multiprocessor than the default's 128-key steps three deep, at the split counts
+        # _auto_splits picks (the H200 sweeps: docs/experiments.md, 2026-12-02).
         FWD_DECODE: [
             Rule(64, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)),
         ],

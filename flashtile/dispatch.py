@@ -32,7 +32,7 @@ from .kernels.portable.launch import (PortableBackward, PortableForward, SplitFo
 from .kernels.portable import mods as builtin
 from .kernels.portable.launch import attention_probs as portable_attention_probs
 from .options import Mods, PackedSeqs, ScoreParams, grid_lengths
-from .runtime import arch_of, device_capability, empty_allocator, multiprocessor_count, portable_only, validate_enabled
+from .runtime import arch_of, capability_of, empty_allocator, multiprocessor_count, portable_only, validate_enabled
 
 
 _gluon_fallback_warned = False
@@ -127,7 +127,7 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
     if device_capability is None:
         if q.device.type != "cuda":
             return None, f"q is on {q.device.type}, not a CUDA tensor"
-        device_capability = _capability(q.device)
+        device_capability = capability_of(q.device)
     major, minor = device_capability
     arch = f"sm{major}{minor}"
     if (major, minor) != (9, 0):
@@ -195,10 +195,6 @@ def _table_mask(params: ScoreParams, max_seqlen_k: int) -> Tuple[bool, int]:
     if left < 0 or right < 0:
         return False, max_seqlen_k
     return True, max(1, min(left + right + 1, max_seqlen_k))
-
-
-def _capability(device: torch.device) -> tuple:
-    return device_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gluon_config(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[PackedSeqs] = None,

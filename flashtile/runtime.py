@@ -120,17 +120,20 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def capability_of(device: torch.device) -> tuple:
+    """(major, minor) of a CUDA device (an index-less one: the current device)."""
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched as programmatic dependent launches (sm90 on: a
     kernel may start while the one before it in the stream finishes, and waits for its results)."""
-    if device.type != "cuda":
-        return False
-    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return device.type == "cuda" and capability_of(device)[0] >= 9
 
 
 def arch_of(device: torch.device) -> str:
     """A short name for the kernel-config table: 'sm90', 'sm80', ..., or 'interpreter'."""
     if device.type != "cuda":
         return "interpreter"
-    major, minor = device_capability(device.index if device.index is not None else torch.cuda.current_device())
+    major, minor = capability_of(device)
     return f"sm{major}{minor}"

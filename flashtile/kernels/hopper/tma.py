@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ...configs import padded_head_dim
-from ...runtime import device_capability, multiprocessor_count
+from ...runtime import capability_of, multiprocessor_count
 from ...triton_compat import gluon_tensor_descriptor, tensor_descriptor
 
 FLOAT16_TYPES = (torch.bfloat16, torch.float16)
@@ -79,7 +79,7 @@ def qkv_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """CUDA tensors on an sm90 device that the Gluon kernels take (see qkv_unsupported)."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False
-    if device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
+    if capability_of(q.device) != (9, 0):
         return False
     return qkv_unsupported(q, k, v) is None
 

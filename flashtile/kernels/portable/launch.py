@@ -175,9 +175,9 @@ COMBINE_ROWS = 1  # rows of the split-KV combine's programs
 
 def dependents_launch_point(head_dim: int) -> int:
     """Where the split forward lets its combine launch (attn_fwd_kernel's LAUNCH_DEPENDENTS): once every
-    program has started at head dims up to 64 (two programs per multiprocessor; 1.02-1.06x on 8-67 MB
-    steps), once every program has folded its keys above (starting the combine's programs beside
-    one-per-multiprocessor d128 programs slowed 8k-key steps by up to 9%; docs/experiments.md, 2026-12-02)."""
+    program has started at head dims up to 64, once every program has folded its keys above, where the
+    combine's programs starting beside one d128 program per multiprocessor slowed it (the H200 A/B:
+    docs/experiments.md, 2026-12-02)."""
     return 1 if padded_head_dim(head_dim) <= 64 else 2
 
 
