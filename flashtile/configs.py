@@ -200,7 +200,7 @@ KERNELS = (FWD, FWD_DECODE, FWD_DECODE_PACKED, BWD_DKDV, BWD_DQ, FWD_GLUON, BWD_
 DECODE_MAX_ROWS = 16
 # Decode tile rows (packed GQA rows, or a group's heads as rows) up to this many take FWD_DECODE_PACKED's
 # 64-row tile: K and V read once per kv head, and no half-empty 128-row prefill tile (its matmuls outlast
-# the reads). Above it, the FWD tile.
+# the reads). Above it, the FWD tile, or packed rows on several 64-row ones (dispatch._packed_rows_on_64_row_tiles).
 DECODE_PACKED_MAX_ROWS = 64
 # Calls with at most DECODE_MAX_ROWS query rows per sequence run as decoding (dispatch.decode_route), and
 # so do those of up to DECODE_ROUTE_MAX_ROWS whose keys number at least DECODE_ROUTE_KEYS_PER_ROW per

@@ -282,13 +282,20 @@ def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tupl
     """(config family, pack_gqa) of a decode-shaped call: with several query rows and GQA (no ALiBi)
     the group's heads share tiles (the kernel's PACK_GQA); the decode tile (16 rows) while the rows
     fit one, the packed decode tile (64 rows) while they fit that (16 rows x 4 heads: one tile, not
-    four), the prefill tile above. One query with its group's heads as rows: a tile of the group."""
+    four), above it the prefill tile or several 64-row ones (_packed_rows_on_64_row_tiles). One query
+    with its group's heads as rows: a tile of the group."""
     rows = q.shape[1] if seqs is None else seqs.max_seqlen_q
     group = q.shape[2] // k.shape[2]
     as_rows = _rows_from_heads(q, k, params, seqs)
     pack = not as_rows and group > 1 and params.alibi_slopes is None and params.mods is None
     # Heads as rows is one query per sequence with the group's heads sharing its tile.
-    return _decode_family(decode_tile(rows, q.shape[2], k.shape[2], as_rows or pack)[1]), pack
+    heads, tile_rows = decode_tile(rows, q.shape[2], k.shape[2], as_rows or pack)
+    family = _decode_family(tile_rows)
+    batch = grid_lengths(q, k, seqs)[0]
+    if family == FWD and pack and _packed_rows_on_64_row_tiles(
+            tile_rows, batch * heads * -(-tile_rows // _FAMILY_ROWS[FWD]), q.shape[-1], k.device):
+        family = FWD_DECODE_PACKED
+    return family, pack
 
 
 def decode_tile(rows: int, nheads: int, nheads_k: int, pack: bool) -> Tuple[int, int]:
@@ -298,12 +305,32 @@ def decode_tile(rows: int, nheads: int, nheads_k: int, pack: bool) -> Tuple[int,
     return (nheads_k, rows * (nheads // nheads_k)) if pack else (nheads, rows)
 
 
+# The query rows of one program of each decode-shaped family's tile, as _auto_splits counts them.
+_FAMILY_ROWS = {FWD_DECODE: DECODE_MAX_ROWS, FWD_DECODE_PACKED: DECODE_PACKED_MAX_ROWS, FWD: 128}
+
+
 def _decode_family(tile_rows: int) -> str:
     """The config family whose query tile takes a call of this many rows per tile (packed GQA rows
     counted): the decode tiles for few, the prefill tile above."""
     if tile_rows <= DECODE_MAX_ROWS:
         return FWD_DECODE
     return FWD_DECODE_PACKED if tile_rows <= DECODE_PACKED_MAX_ROWS else FWD
+
+
+def _packed_rows_on_64_row_tiles(tile_rows: int, programs_of_128: int, head_dim: int, device: torch.device) -> bool:
+    """Whether packed GQA rows above 64 per kv head go to 64-row tiles (FWD_DECODE_PACKED) rather than
+    128-row ones (FWD): where those hold them with fewer empty rows (136 rows: three tiles of 64, 192
+    rows, not two of 128, 256) and the call waits on its reads rather than its matmuls: head dims up
+    to 64, or a grid of at most a fifth as many 128-row programs as multiprocessors (at head dim 128
+    grids of a quarter to a half ran faster on the prefill tile; docs/experiments.md, 2026-12-02)."""
+    def held(family: str) -> int:
+        return -(-tile_rows // _FAMILY_ROWS[family]) * _FAMILY_ROWS[family]
+    if held(FWD_DECODE_PACKED) >= held(FWD):
+        return False
+    if head_dim <= 64:
+        return True
+    return device.type == "cuda" and 5 * programs_of_128 <= multiprocessor_count(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 def heads_as_rows(q, out, lse, nheads_k: int) -> tuple:
@@ -344,7 +371,8 @@ class DecodeForward:
             self.seqs = seqs
         batch, rows, max_seqlen_k = grid_lengths(q, k, self.seqs)
         heads, tile_rows = decode_tile(rows, q.shape[2], k.shape[2], pack)
-        splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, tile_head_dim(q, v), q.device)
+        splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, tile_head_dim(q, v), q.device,
+                                            kernel)
         if cfg is None:
             cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
         self.params, self.cfg = params, cfg
@@ -467,7 +495,7 @@ def _tuned(kernel: str, q, v, params: ScoreParams, seqlen_k: int, cfg: Config, c
 
 
 def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, num_splits: int,
-                            pack_gqa: bool = False) -> Optional[Callable]:
+                            pack_gqa: bool = False, family: Optional[str] = None) -> Optional[Callable]:
     """:func:`attention_forward` with the keys of each sequence split across ``num_splits`` programs
     per query block (flash-decoding: a few long sequences with few queries fill the GPU), their
     partial results merged by the combine kernel. Packed batches, portable kernels. ``pack_gqa``:
@@ -478,9 +506,8 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
     plan_key = _plan_key(params, seqs, q, k, v, out, lse)
 
     def make():
-        tile_rows = decode_tile(seqs.max_seqlen_q, q.shape[2], k.shape[2], pack_gqa)[1]
-        cfg = get_config(_decode_family(tile_rows), arch_of(q.device), tile_head_dim(q, v), params.causal,
-                         seqs.max_seqlen_k, q.dtype)
+        kernel = family or _decode_family(decode_tile(seqs.max_seqlen_q, q.shape[2], k.shape[2], pack_gqa)[1])
+        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k, q.dtype)
         table_plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            SplitForward(q, k, v, out, lse, params, seqs, num_splits, c, pack_gqa=pack_gqa),
@@ -661,7 +688,7 @@ _DECODE_RESIDENT_D64 = 2
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments; decoding asks once per layer and token
 def _auto_splits(batch: int, nheads: int, tile_rows: int, max_seqlen_k: int, head_dim: int,
-                 device: torch.device) -> int:
+                 device: torch.device, family: str) -> int:
     """How many programs share the keys of one (sequence, head, query block) (flash-decoding).
 
     Decoding streams K and V: what counts is that every multiprocessor keeps reading until the end.
@@ -671,10 +698,7 @@ def _auto_splits(batch: int, nheads: int, tile_rows: int, max_seqlen_k: int, hea
     with at least _MIN_SPLIT_KEYS keys."""
     if device.type != "cuda":
         return 1
-    family = _decode_family(tile_rows)
-    # The query tiles of FWD_DECODE / FWD_DECODE_PACKED / FWD.
-    rows_per_program = {FWD_DECODE: 16, FWD_DECODE_PACKED: 64, FWD: 128}[family]
-    programs = max(1, batch * nheads * -(-tile_rows // rows_per_program))
+    programs = max(1, batch * nheads * -(-tile_rows // _FAMILY_ROWS[family]))
     resident = _DECODE_RESIDENT_D64 if family == FWD_DECODE and head_dim <= 64 else 1
     slots = resident * multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -730,12 +754,14 @@ class KVCacheStep:
             self.rows, heads = seqlen_q, nheads
         # A few query rows (speculative decoding) with GQA: the group's query heads share each K/V tile.
         q_rows = q.new_empty((batch, self.rows, heads, q.shape[3]), device="meta")
-        self.pack = seqlen_q <= DECODE_ROUTE_MAX_ROWS and mods is None and decode_kernel(
-            q_rows, k_cache, self.params.with_tensors(alibi_slopes),
-            PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens))[1]
+        seqs = PackedSeqs(None, None, self.rows, self.capacity, seqused_k=cache_seqlens)
+        self.family, self.pack = decode_kernel(q_rows, k_cache, self.params.with_tensors(alibi_slopes), seqs)
+        if seqlen_q > DECODE_ROUTE_MAX_ROWS or mods is not None:  # a tile per query head
+            self.pack = False
+            self.family = _decode_family(self.rows)
         heads, tile_rows = decode_tile(self.rows, heads, nheads_k, self.pack)
         self.splits = num_splits or _auto_splits(batch, heads, tile_rows, self.capacity, tile_head_dim(q, v_cache),
-                                                 q.device)
+                                                 q.device, self.family)
         self.table_of_rows = None  # a contiguous cache's rows as a table (rows_table without cache_batch_idx)
         self.update = None  # the update's and the forward's plans, from the first call
         self.forward = None
@@ -774,7 +800,7 @@ class KVCacheStep:
             else (q, out, lse)
         if self.splits > 1 or self.pack:
             self.forward = attention_forward_split(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs,
-                                                   self.splits, self.pack)
+                                                   self.splits, self.pack, self.family)
         else:
             self.forward = attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
         return out, lse

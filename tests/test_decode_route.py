@@ -46,13 +46,23 @@ def test_dense_decode_options(option):
     (1, 8, 1, FWD_DECODE), (4, 8, 2, FWD_DECODE), (16, 8, 8, FWD_DECODE),
     (8, 32, 8, FWD_DECODE_PACKED), (16, 32, 8, FWD_DECODE_PACKED), (1, 32, 1, FWD_DECODE_PACKED),
     (1, 64, 1, FWD_DECODE_PACKED), (16, 64, 8, FWD), (1, 128, 1, FWD),
+    (17, 8, 1, FWD_DECODE_PACKED), (32, 8, 1, FWD), (40, 8, 1, FWD_DECODE_PACKED), (24, 8, 1, FWD_DECODE_PACKED),
 ])
 def test_decode_tile_takes_the_tile_rows(seqlen_q, nheads, nheads_k, family):
     # Tile rows: the query rows, times the group's heads when they share tiles (packed GQA) or the group
-    # alone when its heads are one query's rows: up to 16 the decode tile, up to 64 the packed one.
+    # alone when its heads are one query's rows: up to 16 the decode tile, up to 64 the packed one; above,
+    # the 128-row tile unless 64-row tiles hold packed rows with fewer empty (136, 320: yes; 256: no; head
+    # dim 64 here, where the grid's size does not count).
     q = torch.empty(2, seqlen_q, nheads, 64, device="meta")
     k = torch.empty(2, 100, nheads_k, 64, device="meta")
     assert dispatch.decode_kernel(q, k, ScoreParams(softmax_scale=0.125), None)[0] == family
+
+
+def test_packed_rows_on_64_row_tiles():
+    """17 rows x a group of 8 heads: 136 packed rows, on three 64-row tiles rather than two 128-row ones."""
+    q, k, v = make_qkv(2, 17, 17 * DECODE_ROUTE_KEYS_PER_ROW + 5, 8, 1, 40, DTYPES[0])
+    assert dispatch.decode_kernel(q, k, ScoreParams(softmax_scale=0.1), None) == (FWD_DECODE_PACKED, True)
+    check_against_reference(flashtile.flash_attn_func, q, k, v, causal=True)
 
 
 def test_rows_above_the_route_are_not_decode():
