@@ -293,7 +293,7 @@ def decode_kernel(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Tupl
     family = _decode_family(tile_rows)
     batch = grid_lengths(q, k, seqs)[0]
     if family == FWD and pack and _packed_rows_on_64_row_tiles(
-            tile_rows, batch * heads * -(-tile_rows // _FAMILY_ROWS[FWD]), q.shape[-1], k.device):
+            tile_rows, _family_programs(batch * heads, tile_rows, FWD), q.shape[-1], k.device):
         family = FWD_DECODE_PACKED
     return family, pack
 
@@ -307,6 +307,12 @@ def decode_tile(rows: int, nheads: int, nheads_k: int, pack: bool) -> Tuple[int,
 
 # The query rows of one program of each decode-shaped family's tile, as _auto_splits counts them.
 _FAMILY_ROWS = {FWD_DECODE: DECODE_MAX_ROWS, FWD_DECODE_PACKED: DECODE_PACKED_MAX_ROWS, FWD: 128}
+
+
+def _family_programs(tiles: int, tile_rows: int, family: str) -> int:
+    """Programs of a decode-shaped grid of ``tiles`` (sequence, head) tiles of ``tile_rows`` rows on
+    ``family``'s query tile (before splitting the keys)."""
+    return max(1, tiles * -(-tile_rows // _FAMILY_ROWS[family]))
 
 
 def _decode_family(tile_rows: int) -> str:
@@ -698,7 +704,7 @@ def _auto_splits(batch: int, nheads: int, tile_rows: int, max_seqlen_k: int, hea
     with at least _MIN_SPLIT_KEYS keys."""
     if device.type != "cuda":
         return 1
-    programs = max(1, batch * nheads * -(-tile_rows // _FAMILY_ROWS[family]))
+    programs = _family_programs(batch * nheads, tile_rows, family)
     resident = _DECODE_RESIDENT_D64 if family == FWD_DECODE and head_dim <= 64 else 1
     slots = resident * multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
