@@ -209,6 +209,12 @@ DECODE_PACKED_MAX_ROWS = 64
 # the route lost to the Hopper kernel at some shapes, the causal ones (docs/experiments.md, 2026-12-01).
 DECODE_ROUTE_MAX_ROWS = 64
 DECODE_ROUTE_KEYS_PER_ROW = 16
+# Such a call whose GQA groups pack into more than DECODE_PACKED_MAX_ROWS rows per kv head (and at least
+# one of the Hopper config's tiles) runs on the Hopper forward instead (dispatch.packed_gqa_on_hopper) once
+# those tiles number at least this many per multiprocessor: the work is then the tiles' matmuls, and split-KV
+# has little left to fill. H200, 32 rows x 32/8 heads at d128: 64 tiles on 132 SMs ran slower on the Hopper
+# forward, 96 and more faster (docs/experiments.md, 2026-12-02).
+PACKED_GQA_HOPPER_TILES_PER_SM = 0.6
 
 # The interpreter runs tiles as numpy arrays: small tiles keep multi-block paths
 # exercised at the small sequence lengths CPU tests use.

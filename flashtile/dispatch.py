@@ -19,7 +19,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import autotune, checks
 from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, DECODE_PACKED_MAX_ROWS,
-                      DECODE_ROUTE_KEYS_PER_ROW, DECODE_ROUTE_MAX_ROWS, FWD,
+                      DECODE_ROUTE_KEYS_PER_ROW, DECODE_ROUTE_MAX_ROWS, FWD, PACKED_GQA_HOPPER_TILES_PER_SM,
                       FWD_DECODE, FWD_DECODE_PACKED, FWD_GLUON, GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config,
                       get_config, overridden, padded_head_dim, tile_head_dim)
 from .kernels.hopper import status as hopper_status
@@ -339,6 +339,38 @@ def _packed_rows_on_64_row_tiles(tile_rows: int, programs_of_128: int, head_dim:
         device.index if device.index is not None else torch.cuda.current_device())
 
 
+def packed_gqa_tiles(q, k, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], block_m: int) -> int:
+    """The block_m-row tiles of a decode-shaped call (decode_route) run on the Hopper forward with each GQA
+    group's query heads packed as rows (kernels/hopper/launch.GluonPackedGQA), or 0 where it cannot run
+    so: dense calls of 2 or more rows whose group is a power of two up to 64, packing into more than
+    DECODE_PACKED_MAX_ROWS rows per kv head and at least one whole tile, with no per-head options (ALiBi,
+    sinks, mods) and contiguous out and lse (None: not known yet, flashtile.explain)."""
+    if seqs is not None or q.shape[1] < 2 or any(t is not None and not t.is_contiguous() for t in (out, lse)):
+        return 0
+    batch, rows, nheads, _ = q.shape
+    group = nheads // k.shape[2]
+    if group < 2 or group > 64 or group & (group - 1) or rows * group <= max(DECODE_PACKED_MAX_ROWS, block_m - 1):
+        return 0
+    if params.alibi_slopes is not None or params.learnable_sink is not None or params.mods is not None:
+        return 0
+    return batch * k.shape[2] * -(-rows * group // block_m)
+
+
+def packed_gqa_on_hopper(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[Config]:
+    """The Hopper forward's config for a decode-shaped call that runs there with its GQA groups packed as
+    rows (packed_gqa_tiles), else None: where its tiles number at least PACKED_GQA_HOPPER_TILES_PER_SM per
+    multiprocessor, the decode kernels' work is matmuls on full tiles, which the Hopper kernel does
+    faster, and split-KV has little left to fill."""
+    if q.device.type != "cuda" or packed_gqa_tiles(q, k, out, lse, params, seqs, DECODE_PACKED_MAX_ROWS + 1) == 0:
+        return None
+    cfg = gluon_config(FWD_GLUON, q, k, v, params)
+    if cfg is None:
+        return None
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    tiles = packed_gqa_tiles(q, k, out, lse, params, seqs, cfg.block_m)
+    return cfg if tiles > 0 and tiles >= PACKED_GQA_HOPPER_TILES_PER_SM * multiprocessor_count(device) else None
+
+
 def heads_as_rows(q, out, lse, nheads_k: int) -> tuple:
     """(q, out, lse) of a call of one query per sequence, (b, 1, h, d) and (b, h, 1), as views whose
     rows are the query heads of one kv head: (b, group, hk, d) and (b, hk, group). Row g of kv head
@@ -403,6 +435,11 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
     """The launch of attention_forward for this call's signature (configs chosen, autotuned if
     asked): a callable taking (q, k, v, out, lse, params, seqs)."""
     if decode_route(q, k, params, seqs) is not None:
+        packed_cfg = packed_gqa_on_hopper(q, k, v, out, lse, params, seqs)
+        if packed_cfg is not None:
+            from .kernels.hopper.launch import GluonPackedGQA
+
+            return GluonPackedGQA(q, k, v, out, lse, params, packed_cfg)
         table_plan = DecodeForward(q, k, v, out, lse, params, seqs)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            DecodeForward(q, k, v, out, lse, params, seqs, cfg=c), table_plan.cfg)

@@ -13,7 +13,7 @@ import torch
 
 from . import autotune, checks, runtime, sinks
 from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config, tile_head_dim
-from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision
+from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision, packed_gqa_on_hopper
 from .mods import call_mods
 from .mods import given as mods_given
 from .mods import native_documents
@@ -202,6 +202,12 @@ def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -
     max_seqlen_k = grid_lengths(q, k, seqs)[2]
     decode = decode_route(q, k, params, seqs)
     if decode is not None:
+        packed_cfg = None if hypothetical_capability is not None else packed_gqa_on_hopper(q, k, v, None, None,
+                                                                                          params, seqs)
+        if packed_cfg is not None:
+            return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], packed_cfg,
+                              f"{decode.split(':')[0]}: the Hopper forward, each GQA group's query heads packed "
+                              "as rows (its tiles fill the GPU without split-KV)")
         cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, tile_head_dim(q, v), params.causal,
                          max_seqlen_k, q.dtype)
         return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, decode)

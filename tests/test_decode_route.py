@@ -16,7 +16,9 @@ from flashtile.configs import (DECODE_MAX_ROWS, DECODE_ROUTE_KEYS_PER_ROW, DECOD
 from flashtile.options import PackedSeqs, ScoreParams
 from flashtile.reference import attention_naive
 
-from _cases import DEVICE, DTYPES, check_against_reference, make_qkv, randn
+from _cases import DEVICE, DTYPES, ON_GPU, check_against_reference, make_qkv, randn
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, nheads_k, causal, window", [
     (1, 1, 8, 2, True, (-1, -1)), (1, 300, 8, 2, True, (-1, -1)), (1, 300, 6, 1, False, (-1, -1)),
@@ -63,6 +65,57 @@ def test_packed_rows_on_64_row_tiles():
     q, k, v = make_qkv(2, 17, 17 * DECODE_ROUTE_KEYS_PER_ROW + 5, 8, 1, 40, DTYPES[0])
     assert dispatch.decode_kernel(q, k, ScoreParams(softmax_scale=0.1), None) == (FWD_DECODE_PACKED, True)
     check_against_reference(flashtile.flash_attn_func, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("batch, seqlen_q, nheads, nheads_k, block_m, options, tiles", [
+    (2, 32, 32, 8, 128, {}, 2 * 8), (3, 33, 16, 4, 128, {}, 3 * 4 * 2), (1, 17, 8, 1, 128, {"softcap": 30.0}, 2),
+    (2, 2, 64, 1, 128, {"window_left": 100}, 2), (2, 64, 8, 1, 256, {}, 2 * 2),
+    # Not packed on the Hopper forward: 64 rows or fewer per kv head, fewer than a tile, one row, a group of 3,
+    # ALiBi, a sink.
+    (2, 16, 16, 4, 128, {}, 0), (2, 32, 32, 8, 256, {}, 0), (2, 1, 32, 1, 128, {}, 0), (2, 40, 6, 2, 128, {}, 0),
+    (2, 32, 32, 8, 128, {"alibi_slopes": torch.ones(32)}, 0),
+    (2, 32, 32, 8, 128, {"learnable_sink": torch.ones(32)}, 0),
+])
+def test_packed_gqa_tiles(batch, seqlen_q, nheads, nheads_k, block_m, options, tiles):
+    """Which decode-shaped calls may run on the Hopper forward with their GQA groups packed as rows, and on
+    how many of its block_m-row tiles (the grid the rule weighs against the multiprocessors)."""
+    q = torch.empty(batch, seqlen_q, nheads, 64, device="meta")
+    k = torch.empty(batch, 4096, nheads_k, 64, device="meta")
+    params = ScoreParams(softmax_scale=0.125, window_right=0, **options)
+    assert dispatch.packed_gqa_tiles(q, k, None, None, params, None, block_m) == tiles
+    assert dispatch.packed_gqa_tiles(q, k, None, None, params, PackedSeqs(None, None, seqlen_q, 4096), block_m) == 0
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, options", [
+    (3, 32, 4096, 32, 8, 128, dict(causal=True)),
+    (2, 33, 1023, 16, 4, 128, dict(causal=True)),
+    (2, 17, 1500, 8, 1, 64, dict(causal=True)),
+    (3, 4, 1023, 64, 1, 64, dict(causal=False)),
+    (2, 63, 1500, 8, 2, 96, dict(causal=True, window_size=(300, 0), softcap=30.0)),
+    (2, 40, 2000, 32, 2, 128, dict(causal=False, window_size=(512, 512))),
+    (1, 64, 1025, 4, 2, 256, dict(causal=True)),
+])
+def test_packed_gqa_on_hopper(monkeypatch, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, options):
+    """Decode-shaped GQA calls on the Hopper forward with each group's heads packed as rows (any grid here:
+    the tile threshold is lifted), against float64: out, lse and the backward that reads them."""
+    monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    explanation = flashtile.explain(q, k, v, **options)
+    assert explanation.forward.path == "hopper", explanation.forward.reason
+    assert "packed as rows" in explanation.forward.reason
+    check_against_reference(flashtile.flash_attn_func, q, k, v, **options)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+def test_packed_gqa_on_hopper_takes_large_grids():
+    """The table's threshold: 34 sequences x 4 kv heads x 2 tiles (272) take the Hopper forward; 8
+    sequences (64 tiles, under 0.6 per SM) stay on the decode kernels, which split the keys."""
+    q, k, v = make_qkv(34, 33, 700, 16, 4, 128, torch.bfloat16)
+    assert flashtile.explain(q, k, v, causal=True).forward.path == "hopper"
+    check_against_reference(flashtile.flash_attn_func, q, k, v, causal=True, backward=False)
+    assert flashtile.explain(q[:8], k[:8], v[:8], causal=True).forward.path == "portable"
 
 
 def test_rows_above_the_route_are_not_decode():

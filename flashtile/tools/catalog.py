@@ -104,6 +104,14 @@ def gluon_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig, s
     return capture(lambda: GluonForward(q, k, v, out, lse, params, cfg, seqs)(q, k, v, out, lse, params, seqs))
 
 
+def gluon_packed_gqa_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig):
+    """The Hopper forward's launch for a decode-shaped GQA call, the groups' heads packed as rows
+    (dispatch.packed_gqa_on_hopper)."""
+    from ..kernels.hopper.launch import GluonPackedGQA
+
+    return capture(lambda: GluonPackedGQA(q, k, v, out, lse, params, cfg)(q, k, v, out, lse, params))
+
+
 def portable_forward(q, k, v, out, lse, params: ScoreParams, cfg: KernelConfig, seqs: Optional[PackedSeqs] = None):
     from ..kernels.portable.launch import PortableForward
 
@@ -378,7 +386,8 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     score option at once (a sliding window, softcap, (b, h) ALiBi slopes), one with a relative-bias
     table, at head dim 128 four with an attn_bias (dispatch.hopper_takes: through the ring, its tiles loaded,
     one row loaded, and with softcap, which the bias follows), and
-    from head dim 128 a dense batch whose values have half the head dim (head_dim_v != head_dim_qk)."""
+    from head dim 128 a dense batch whose values have half the head dim (head_dim_v != head_dim_qk), and
+    decode-shaped GQA rows packed into tiles."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
     out, lse = torch.empty_like(q), _empty(2, h, 1024, dtype=torch.float32)
@@ -401,6 +410,10 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     if d >= 128:
         v_half = _empty(2, 1024, h, d // 2, dtype=dtype)
         builds.append(("head-dim-v", lambda: gluon_forward(q, q, v_half, torch.empty_like(v_half), lse, params, cfg)))
+    # 32 query rows per sequence, a group of 4 heads packed as rows.
+    qg, kg = _empty(2, 32, 8, d, dtype=dtype), _empty(2, 4096, 2, d, dtype=dtype)
+    outg, lseg = torch.empty_like(qg), _empty(2, 8, 32, dtype=torch.float32)
+    builds.append(("packed-gqa", lambda: gluon_packed_gqa_forward(qg, kg, kg, outg, lseg, params, cfg)))
     return builds
 
 

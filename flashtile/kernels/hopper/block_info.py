@@ -45,15 +45,22 @@ def key_block_band(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK
 
 @gluon.jit
 def key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr):
+               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
+               QUERY_GROUP: gl.constexpr = 1):
     """(n_first, n_free_lo, n_free_hi, n_total) of a forward tile (see key_block_band): with a window
     (LOCAL) its band, else key_block_range's blocks from 0 with the free ones first; no key block at
-    all for a tile wholly past the used rows."""
+    all for a tile wholly past the used rows. QUERY_GROUP: rows per query position (a GQA group's
+    query heads packed as rows, row r at position r // QUERY_GROUP; a power of two dividing 64): the
+    ranges are those of the tile's positions."""
+    if QUERY_GROUP > 1:
+        start_m = start_m // QUERY_GROUP
+        seqlen_q = seqlen_q // QUERY_GROUP
+    POSITIONS: gl.constexpr = BLOCK_M // QUERY_GROUP
     if LOCAL:
         n_first, n_free_lo, n_free_hi, n_total = key_block_band(start_m, seqlen_q, seqlen_k, window_left,
-                                                                window_right, BLOCK_M, BLOCK_N)
+                                                                window_right, POSITIONS, BLOCK_N)
     else:
-        n_free_hi, n_total = key_block_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        n_free_hi, n_total = key_block_range(start_m, seqlen_q, seqlen_k, POSITIONS, BLOCK_N, CAUSAL)
         n_first = 0
         n_free_lo = 0
     if HAS_SEQUSED_Q:

@@ -28,6 +28,11 @@ computed but not stored: a sequence's last, ragged 64-row tile is stored from re
 mask (a TMA box would overwrite the next sequence's rows), every other tile by TMA. The dense
 path compiles to the same code as without varlen (all of it sits behind the constexpr).
 
+Packed GQA rows (QUERY_GROUP = g > 1, a decode-shaped call of a few query rows per sequence): the host
+passes q, out and lse with each kv head's group of g query heads as its rows (row r of a "head" is
+query head r % g at position r // g; launch.GluonPackedGQA), so one tile's K/V blocks serve the
+whole group. Only the masks and block ranges see positions; loads, stores and lse see rows.
+
 Head dims 96 and 192 (HEAD_DIM_TRUE) run the d128 and d256 kernels: the TMA boxes keep the padded
 width over the true-width tensors, so loads zero-fill the missing columns (S is exact, O's padded
 columns come out zero) and stores clip them; the ragged-tile register store masks them. At d192 the
@@ -168,8 +173,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
             heads_per_group, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-            IS_VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, bias_desc=None,
-            bias_smem=None, bias_batches=1, bias_heads=1):
+            IS_VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, QUERY_GROUP: gl.constexpr,
+            bias_desc=None, bias_smem=None, bias_batches=1, bias_heads=1):
     # bias_desc: attn_bias's tiles come through the K ring (_load_tiles); bias_batches, bias_heads: its batch
     # and head dims (1 where it broadcasts).
     if PERSISTENT:
@@ -180,7 +185,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             for half in range(_unit_tiles(u, seqlen_q, BLOCK_M, CAUSAL)):
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
                 n_first, _, _, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
-                                                    BLOCK_N, CAUSAL, LOCAL, False)
+                                                    BLOCK_N, CAUSAL, LOCAL, False, QUERY_GROUP)
                 reverse = False
                 if OWN_KEY_RANGE:
                     reverse = half == 1
@@ -195,7 +200,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
             BLOCK_M, CAUSAL, IS_VARLEN)
         n_first, _, _, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
-                                            CAUSAL, LOCAL, seqused_q is not None)
+                                            CAUSAL, LOCAL, seqused_q is not None, QUERY_GROUP)
         # A window's tile starts at its first visible key block.
         first_key = n_first * BLOCK_N
         if IS_VARLEN:
@@ -629,7 +634,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr,
              PINGPONG: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_SEQUSED_Q: gl.constexpr,
              HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
-             TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, HEAD_DIM_V_TRUE: gl.constexpr):
+             TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, HEAD_DIM_V_TRUE: gl.constexpr,
+             QUERY_GROUP: gl.constexpr):
     """One 64-row slice of a tile: key blocks [n_first, n_total), of which [n_free_lo, n_unmasked) need
     no mask (n_first and n_free_lo are 0 but for a window). kv0 / turn0 / q_phase: the K/V ring
     position, ping-pong issue points and tiles (mod 2) of the tiles a persistent CTA ran before this
@@ -684,7 +690,19 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         bias_rows = attn_bias_rows(bias_head, rows, seqlen_q, stride_bias_m)
     score = (slope_log2, softcap_scale, softcap_log2, window_left, window_right, rel_row, rel_distance, my_start,
              bias_rows)
-    diag = seqlen_k - seqlen_q
+    # The masks see query positions. With a GQA group's query heads packed as rows (QUERY_GROUP > 1:
+    # the host's layout, row r of a kv head is query head r % QUERY_GROUP at position r // QUERY_GROUP),
+    # the tile's rows hold seqlen_q // QUERY_GROUP positions; the options that read a query head's
+    # tensors (ALiBi slopes, sinks, tables, biases) and the causal schedules by rows are off.
+    if QUERY_GROUP > 1:
+        gl.static_assert(not (ALIBI or REL_BIAS or BIAS or OWN_KEY_RANGE or TRIM_DIAGONAL or HAS_SEQUSED_Q),
+                         "packed GQA rows: no per-head options, no row schedules")
+        gl.static_assert(sink_ptr is None, "packed GQA rows: no learnable sink")
+        positions = rows // QUERY_GROUP
+        diag = seqlen_k - seqlen_q // QUERY_GROUP
+    else:
+        positions = rows
+        diag = seqlen_k - seqlen_q
 
     # Ping-pong: consumer warpgroups take turns (round robin) issuing their wgmmas, so one's
     # softmax runs while another's GEMMs own the tensor cores.
@@ -736,13 +754,13 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         # keys has only 4.5 blocks on average. No wgmma is in flight here, so the branch cannot
         # split an async group.
         if (n_free_lo <= n_first) & (n_first < n_unmasked):
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                                score, bias, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
-                                                BIAS, s_layout, ROW_SUM_MMA)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, positions, n_first * BLOCK_N, seqlen_k, diag,
+                                                qk_scale_log2, score, bias, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP,
+                                                ALIBI, REL_BIAS, BIAS, s_layout, ROW_SUM_MMA)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, rows, n_first * BLOCK_N, seqlen_k, diag, qk_scale_log2,
-                                                score, bias, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS,
-                                                BIAS, s_layout, ROW_SUM_MMA)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, positions, n_first * BLOCK_N, seqlen_k, diag,
+                                                qk_scale_log2, score, bias, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP,
+                                                ALIBI, REL_BIAS, BIAS, s_layout, ROW_SUM_MMA)
         p_op = _probabilities_operand(p, v_smem.dtype, p_layout)
 
         # Mask-free blocks, then the blocks on the diagonal / ragged end (but a last block this
@@ -757,7 +775,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             free_start = gl.minimum(gl.maximum(n_free_lo, n_first + 1), n_wide)
             acc, p_op, m_i, l_i = _pipelined_blocks(
                 q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc,
-                p_op, m_i, l_i, n_first + 1, free_start, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
+                p_op, m_i, l_i, n_first + 1, free_start, kv0, turn0, positions, seqlen_k, diag, qk_scale_log2, score,
                 BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
                 SKIP_LAST_CHUNK, ROW_SUM_MMA)
             split = gl.minimum(gl.maximum(n_unmasked, free_start), gl.maximum(n_wide, free_start))
@@ -765,12 +783,12 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             split = gl.maximum(n_unmasked, 1)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
-            m_i, l_i, free_start, split, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
+            m_i, l_i, free_start, split, kv0, turn0, positions, seqlen_k, diag, qk_scale_log2, score,
             BLOCK_N, NUM_STAGES, False, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
             SKIP_LAST_CHUNK, ROW_SUM_MMA)
         acc, p_op, m_i, l_i = _pipelined_blocks(
             q_op, q_buf, k_smem, v_smem, ones_t, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn, acc, p_op,
-            m_i, l_i, split, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
+            m_i, l_i, split, n_wide, kv0, turn0, positions, seqlen_k, diag, qk_scale_log2, score,
             BLOCK_N, NUM_STAGES, True, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, s_layout, p_layout,
             SKIP_LAST_CHUNK, ROW_SUM_MMA)
 
@@ -778,8 +796,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             if n_wide < n_total:
                 acc, m_i, l_i = _half_last_block(
                     q_op, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_empty, my_turn,
-                    other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, rows, seqlen_k, diag, qk_scale_log2, score,
-                    CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, PERSISTENT,
+                    other_turn, acc, p_op, m_i, l_i, n_wide, kv0, turn0, positions, seqlen_k, diag, qk_scale_log2,
+                    score, CONSUMER, BLOCK_N, NUM_STAGES, CAUSAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, PERSISTENT,
                     ROW_SUM_MMA, p_layout)
             else:
                 acc, l_i = _drain(p_op, v_smem, ones_t, v_ready, v_empty, q_empty, my_turn, other_turn, acc, l_i,
@@ -898,7 +916,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
               ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr,
-              HEAD_DIM_V_TRUE: gl.constexpr):
+              HEAD_DIM_V_TRUE: gl.constexpr, QUERY_GROUP: gl.constexpr):
     if PERSISTENT:
         kv0 = 0
         turn0 = 0
@@ -909,7 +927,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                 start_m, head, kv_head, batch = _dense_tile(u, half, seqlen_q, nheads, head_group, BLOCK_M, CAUSAL)
                 n_first, n_free_lo, n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left,
                                                                      window_right, BLOCK_M, BLOCK_N, CAUSAL, LOCAL,
-                                                                     False)
+                                                                     False, QUERY_GROUP)
                 reverse = False
                 if OWN_KEY_RANGE:
                     reverse = half == 1
@@ -924,7 +942,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                          n_unmasked, n_total, kv0, turn0, tile_iter & 1, reverse, score, sink_ptr, CONSUMER, BLOCK_M,
                          BLOCK_N, NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, False, False,
                          HEAD_DIM_TRUE,
-                         True, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
+                         True, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE, QUERY_GROUP)
                 n_blocks = n_total - n_first
                 kv0 += n_blocks
                 # A tile with key blocks has n_blocks + 1 issue points (its first S, then S_j with
@@ -937,7 +955,8 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
             BLOCK_M, CAUSAL, IS_VARLEN)
         n_first, n_free_lo, n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                                             BLOCK_M, BLOCK_N, CAUSAL, LOCAL, seqused_q is not None)
+                                                             BLOCK_M, BLOCK_N, CAUSAL, LOCAL, seqused_q is not None,
+                                                             QUERY_GROUP)
         score = (alibi_slope_log2(alibi_slopes, stride_alibi_b, batch, head, ALIBI), softcap_scale, softcap_log2,
                  window_left, window_right, relative_bias_row(rel_bias_table, head, rel_bias_distance, REL_BIAS),
                  rel_bias_distance,
@@ -950,7 +969,8 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                          n_free_lo, n_unmasked, n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN,
                          seqused_q is not None,
-                         HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
+                         HEAD_DIM_TRUE, False, ROW_SUM_MMA, TRIM_DIAGONAL, OWN_KEY_RANGE, HEAD_DIM_V_TRUE,
+                         QUERY_GROUP)
         else:
             _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready, v_empty,
                      turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h, qk_scale_log2,
@@ -958,7 +978,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
                      n_total, 0, 0, 0, False, score, sink_ptr, CONSUMER, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LOCAL,
                      SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, False, HEAD_DIM_TRUE, False, ROW_SUM_MMA,
                      TRIM_DIAGONAL,
-                     OWN_KEY_RANGE, HEAD_DIM_V_TRUE)
+                     OWN_KEY_RANGE, HEAD_DIM_V_TRUE, QUERY_GROUP)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -988,7 +1008,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           softcap_scale=0.0, softcap_log2=0.0, alibi_slopes=None, stride_alibi_b=0,
                           HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None, rel_bias_table=None,
                           rel_bias_distance=0, attn_bias=None, stride_bias_b=0, stride_bias_h=0, stride_bias_m=0,
-                          bias_desc=None, bias_batches=1, bias_heads=1, BIAS_ROW: gl.constexpr = False):
+                          bias_desc=None, bias_batches=1, bias_heads=1, BIAS_ROW: gl.constexpr = False,
+                          QUERY_GROUP: gl.constexpr = 1):
     # rel_bias_table: a relative-position bias table (nheads, 2 * rel_bias_distance + 1), float32
     # (flashtile.mods.relative_bias, scores.relative_bias_log2), or None. attn_bias: a bias added to
     # the scores, read with these batch / head / query strides (0 along broadcast dimensions) and unit key
@@ -1074,12 +1095,12 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
-                       bias_batches, bias_heads)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
+                       bias_smem, bias_batches, bias_heads)),
         ], [1], [LOADER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
@@ -1092,7 +1113,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1102,12 +1123,12 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
-                       bias_batches, bias_heads)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
+                       bias_smem, bias_batches, bias_heads)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
@@ -1120,7 +1141,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1130,7 +1151,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1140,12 +1161,12 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
-                       bias_batches, bias_heads)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
+                       bias_smem, bias_batches, bias_heads)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_CONSUMERS == 4, "1 to 4 consumer warpgroups")
@@ -1159,7 +1180,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1169,7 +1190,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1179,7 +1200,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1189,10 +1210,10 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, bias_desc, bias_smem,
-                       bias_batches, bias_heads)),
+                       NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
+                       bias_smem, bias_batches, bias_heads)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

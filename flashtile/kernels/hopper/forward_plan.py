@@ -114,10 +114,17 @@ class ForwardPlan:
     def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, max_seqlen_q=None, softcap: float = 0.0, window_left: int = -1,
                  window_right: int = -1, alibi_slopes=None, learnable_sink=None, rel_bias_table=None,
-                 attn_bias=None, attn_bias_strides=(0, 0, 0)):
+                 attn_bias=None, attn_bias_strides=(0, 0, 0), query_group: int = 1):
+        """query_group: rows per query position, a GQA group's query heads packed as the rows of their kv
+        head by the caller (GluonPackedGQA): q (b, sq * g, hk, d), row sq * g + i holding query head
+        hk * g + i; out and lse alike. A power of two dividing 64; no per-head options."""
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         local, window_left, window_right = band_sides(causal, window_left, window_right)
+        if query_group > 1 and causal and not local:
+            # Packed GQA rows span few positions: every tile has about the same key blocks, so the causal
+            # schedules (pairs of tiles, longest first) would only idle CTAs. The diagonal as a band.
+            local, window_left, window_right = True, UNBOUNDED_WINDOW, 0
         cfg = config
         if local:
             # A window's tiles all have about the same key blocks: tiles in order, none of the causal
@@ -125,6 +132,10 @@ class ForwardPlan:
             causal = False
             cfg = replace(cfg, own_key_range=False, trim_diagonal=False)
         assert lse.stride(-1) == 1 and out.stride(-1) == 1
+        if query_group > 1:
+            assert 64 % query_group == 0 and query_group & (query_group - 1) == 0
+            assert alibi_slopes is None and learnable_sink is None and rel_bias_table is None and attn_bias is None
+            assert seqused_q is None and seqlen_q % query_group == 0 and not causal
         assert not cfg.pingpong or cfg.num_consumers >= 2
         # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
         assert not cfg.own_key_range or not (cfg.pingpong or cfg.trim_diagonal)
@@ -200,7 +211,7 @@ class ForwardPlan:
                                     rel_bias_table),
                  **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
                  **({} if attn_bias is None else attn_bias_arguments(attn_bias_strides, self.bias_template)),
-                 num_warps=4, **register_cap(cfg)),
+                 **({} if query_group == 1 else {"QUERY_GROUP": query_group}), num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
                    "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table", "attn_bias", "bias_desc"))
 
