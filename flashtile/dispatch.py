@@ -339,12 +339,13 @@ def _packed_rows_on_64_row_tiles(tile_rows: int, programs_of_128: int, head_dim:
         device.index if device.index is not None else torch.cuda.current_device())
 
 
-def packed_gqa_tiles(q, k, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], block_m: int) -> int:
+def packed_gqa_tiles(q, k, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], block_m: int = 1) -> int:
     """The block_m-row tiles of a decode-shaped call (decode_route) run on the Hopper forward with each GQA
     group's query heads packed as rows (kernels/hopper/launch.GluonPackedGQA), or 0 where it cannot run
     so: dense calls of 2 or more rows whose group is a power of two up to 64, packing into more than
     DECODE_PACKED_MAX_ROWS rows per kv head and at least one whole tile, with no per-head options (ALiBi,
-    sinks, mods) and contiguous out and lse (None: not known yet, flashtile.explain)."""
+    sinks, mods) and contiguous out and lse (None: not known yet, flashtile.explain). The default block_m
+    asks only whether the call qualifies before a config is looked up."""
     if seqs is not None or q.shape[1] < 2 or any(t is not None and not t.is_contiguous() for t in (out, lse)):
         return 0
     batch, rows, nheads, _ = q.shape
@@ -361,7 +362,7 @@ def packed_gqa_on_hopper(q, k, v, out, lse, params: ScoreParams, seqs: Optional[
     rows (packed_gqa_tiles), else None: where its tiles number at least PACKED_GQA_HOPPER_TILES_PER_SM per
     multiprocessor, the decode kernels' work is matmuls on full tiles, which the Hopper kernel does
     faster, and split-KV has little left to fill."""
-    if q.device.type != "cuda" or packed_gqa_tiles(q, k, out, lse, params, seqs, DECODE_PACKED_MAX_ROWS + 1) == 0:
+    if q.device.type != "cuda" or packed_gqa_tiles(q, k, out, lse, params, seqs) == 0:
         return None
     cfg = gluon_config(FWD_GLUON, q, k, v, params)
     if cfg is None:

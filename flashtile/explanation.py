@@ -206,8 +206,9 @@ def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -
                                                                                           params, seqs)
         if packed_cfg is not None:
             return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], packed_cfg,
-                              f"{decode.split(':')[0]}: the Hopper forward, each GQA group's query heads packed "
-                              "as rows (its tiles fill the GPU without split-KV)")
+                              f"{q.shape[1]} query rows per sequence with GQA groups of {q.shape[2] // k.shape[2]}: "
+                              "the Hopper forward, each group's query heads packed as rows (its tiles fill the GPU "
+                              "without split-KV)")
         cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, tile_head_dim(q, v), params.causal,
                          max_seqlen_k, q.dtype)
         return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, decode)
