@@ -284,6 +284,17 @@ _D64_FOUR_CONSUMERS_OWN_RANGE = replace(_D64_FOUR_CONSUMERS_PERSISTENT, num_stag
 _D64_ONE_CONSUMER_X3 = GluonFwdConfig(block_n=64, num_stages=2, num_consumers=1, consumer_regs=136, loader_regs=24,
                                       persistent=True, row_sum_mma=True, ctas_per_sm=3)
 
+# Decode-shaped GQA calls that run on the Hopper forward with each group's query heads packed as rows
+# (dispatch.packed_gqa_on_hopper) take these configs by architecture and padded head dim, else the dense
+# table's. Their tiles all read the same keys (a causal call runs as a band), so the causal schedules buy
+# nothing. H200, 64 sequences x 8k keys: at d64 (8/1 heads x 64 rows) four consumers over a 10-deep ring,
+# 1.5x the dense table's three consumers without causal; at d128 the table's non-causal tile, which ran
+# 1.11-1.17x its causal one (ping-pong, persistent) with causal (docs/experiments.md, 2026-12-02).
+_PACKED_GQA_GLUON_FWD = {
+    "sm90": {64: replace(_D64_FOUR_CONSUMERS_PERSISTENT, num_stages=10),
+             128: GluonFwdConfig(block_n=128, num_stages=2)},
+}
+
 # Per architecture: {arch: {kernel: [Rule, ...]}}, the first matching rule wins. sm90 (H100/H200) was
 # tuned on an H200 in bf16 at 1k-16k tokens, hidden 2048: the portable kernels by the best geometric
 # mean over causal and non-causal (`python -m flashtile tune` repeats such a search), the Hopper
@@ -610,6 +621,14 @@ def overridden(kernel: str) -> bool:
 def any_overridden() -> bool:
     """Whether an :func:`override` block is active (launch plans are not used inside one)."""
     return bool(_OVERRIDES)
+
+
+def packed_gqa_config(arch: str, head_dim: int, table: GluonFwdConfig) -> GluonFwdConfig:
+    """The Hopper forward's config for GQA groups packed as rows (_PACKED_GQA_GLUON_FWD) at this padded
+    head dim, else ``table`` (the dense table's, which an override of FWD_GLUON also sets)."""
+    if FWD_GLUON in _OVERRIDES:
+        return table
+    return _PACKED_GQA_GLUON_FWD.get(arch, {}).get(head_dim, table)
 
 
 def get_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,

@@ -21,7 +21,7 @@ from . import autotune, checks
 from .configs import (BWD_DKDV, BWD_DQ, BWD_GLUON, BWD_PREPROCESS, DECODE_MAX_ROWS, DECODE_PACKED_MAX_ROWS,
                       DECODE_ROUTE_KEYS_PER_ROW, DECODE_ROUTE_MAX_ROWS, FWD, PACKED_GQA_HOPPER_TILES_PER_SM,
                       FWD_DECODE, FWD_DECODE_PACKED, FWD_GLUON, GLUON_CANDIDATES, PORTABLE_CANDIDATES, Config,
-                      get_config, overridden, padded_head_dim, tile_head_dim)
+                      get_config, overridden, packed_gqa_config, padded_head_dim, tile_head_dim)
 from .kernels.hopper import status as hopper_status
 from .kernels.hopper.tma import qkv_unsupported, tma_aligned, values_supported
 from .kernels.plans import PlanCache, tensor_signature
@@ -367,6 +367,7 @@ def packed_gqa_on_hopper(q, k, v, out, lse, params: ScoreParams, seqs: Optional[
     cfg = gluon_config(FWD_GLUON, q, k, v, params)
     if cfg is None:
         return None
+    cfg = packed_gqa_config(arch_of(q.device), padded_head_dim(q.shape[-1]), cfg)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     tiles = packed_gqa_tiles(q, k, out, lse, params, seqs, cfg.block_m)
     return cfg if tiles > 0 and tiles >= PACKED_GQA_HOPPER_TILES_PER_SM * multiprocessor_count(device) else None

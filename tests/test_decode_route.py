@@ -91,8 +91,9 @@ def test_packed_gqa_tiles(batch, seqlen_q, nheads, nheads_k, block_m, options, t
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, options", [
     (3, 32, 4096, 32, 8, 128, dict(causal=True)),
     (2, 33, 1023, 16, 4, 128, dict(causal=True)),
-    (2, 17, 1500, 8, 1, 64, dict(causal=True)),
+    (2, 33, 1500, 8, 1, 64, dict(causal=True)),
     (3, 4, 1023, 64, 1, 64, dict(causal=False)),
+    (2, 24, 2048, 16, 2, 192, dict(causal=True)),
     (2, 63, 1500, 8, 2, 96, dict(causal=True, window_size=(300, 0), softcap=30.0)),
     (2, 40, 2000, 32, 2, 128, dict(causal=False, window_size=(512, 512))),
     (1, 64, 1025, 4, 2, 256, dict(causal=True)),

@@ -28,10 +28,12 @@ computed but not stored: a sequence's last, ragged 64-row tile is stored from re
 mask (a TMA box would overwrite the next sequence's rows), every other tile by TMA. The dense
 path compiles to the same code as without varlen (all of it sits behind the constexpr).
 
-Packed GQA rows (QUERY_GROUP = g > 1, a decode-shaped call of a few query rows per sequence): the host
-passes q, out and lse with each kv head's group of g query heads as its rows (row r of a "head" is
-query head r % g at position r // g; launch.GluonPackedGQA), so one tile's K/V blocks serve the
-whole group. Only the masks and block ranges see positions; loads, stores and lse see rows.
+Packed GQA rows (QUERY_GROUP = g > 1, a decode-shaped call of a few query rows per sequence): each kv
+head's group of g query heads are the rows of its tiles (row r of kv head hk is query head hk * g + r % g
+at position r // g), so one tile's K/V blocks serve the whole group. The kernel sees hk "heads" of s * g
+rows; Q and O move through 5-D TMA boxes (1, 64 / g, 1, g, d) over q and out as (b, s, hk, g, d), whose
+shared-memory image is the (64, d) tile of those rows, and lse is stored by (head, position). The masks
+and block ranges see positions (r // g).
 
 Head dims 96 and 192 (HEAD_DIM_TRUE) run the d128 and d256 kernels: the TMA boxes keep the padded
 width over the true-width tensors, so loads zero-fill the missing columns (S is exact, O's padded
@@ -128,7 +130,8 @@ def _chunk_start(start_m, c, reverse, NUM_CONSUMERS: gl.constexpr):
 def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                 v_empty, tma_batch, q_row, k_start, head, kv_head, n_total, kv0, q_phase, reverse,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                PERSISTENT: gl.constexpr, bias_desc=None, bias_smem=None, bias_origin=None):
+                PERSISTENT: gl.constexpr, bias_desc=None, bias_smem=None, bias_origin=None,
+                QUERY_GROUP: gl.constexpr = 1):
     """Q of one tile, then its n_total K/V blocks. kv0: K/V blocks this CTA loaded before (the ring
     position); q_phase: tiles before, mod 2 (persistent CTAs wait until the consumers released the
     previous tile's Q); reverse: see _chunk_start. With bias_desc, each K slot also takes every
@@ -144,8 +147,11 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
         if PERSISTENT:
             mbarrier.wait(q_empty.index(c), q_phase ^ 1)
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma_load(q_desc, [tma_batch, _chunk_start(q_row, c, reverse, NUM_CONSUMERS), head, 0],
-                                        q_ready.index(c), q_smem.index(c))
+        row = _chunk_start(q_row, c, reverse, NUM_CONSUMERS)
+        if QUERY_GROUP > 1:
+            tma_load(q_desc, [tma_batch, row // QUERY_GROUP, head, 0, 0], q_ready.index(c), q_smem.index(c))
+        else:
+            tma_load(q_desc, [tma_batch, row, head, 0], q_ready.index(c), q_smem.index(c))
 
     for jj in range(n_total):
         j = kv0 + jj
@@ -192,7 +198,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, batch, start_m, n_first * BLOCK_N, head, kv_head, n_total - n_first,
                             kv0, tile_iter & 1, reverse, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, True, bias_desc,
-                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, n_first * BLOCK_N))
+                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, n_first * BLOCK_N),
+                            QUERY_GROUP)
                 kv0 += n_total - n_first
                 tile_iter += 1
     else:
@@ -209,12 +216,12 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, 0, q_start + start_m, k_start + first_key, head, kv_head,
                             n_total - n_first, 0, 0, False, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc,
-                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, first_key))
+                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP)
         else:
             _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                         v_ready, v_empty, batch, start_m, first_key, head, kv_head, n_total - n_first, 0, 0, False,
                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc, bias_smem,
-                        (batch % bias_batches, head % bias_heads, start_m, first_key))
+                        (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,11 +360,12 @@ def _probabilities_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
 @gluon.jit
 def _scores_skipping_zero_chunk(q_buf, k_buf, s_zero):
     """S = Q K^T over the first 192 columns of 256-wide Q, K tiles (q_buf, k_buf: the (1, rows, 1, 256)
-    TMA tiles) whose last 64 columns are TMA zero fill (head dims 136..192): one wgmma over columns
-    [0, 128), one over [128, 192), both async. A 256-wide box lands as 4 chunks of 64 columns
-    (128-byte swizzle), so columns [0, 128) are one (rows, 128) view and chunk 2 a (rows, 64) one."""
+    TMA tiles; Q's (1, rows / g, 1, g, 256) with packed GQA rows) whose last 64 columns are TMA zero fill
+    (head dims 136..192): one wgmma over columns [0, 128), one over [128, 192), both async. A 256-wide
+    box lands as 4 chunks of 64 columns (128-byte swizzle), so columns [0, 128) are one (rows, 128) view
+    and chunk 2 a (rows, 64) one."""
     dtype: gl.constexpr = q_buf.dtype
-    ROWS: gl.constexpr = q_buf.shape[1]
+    ROWS: gl.constexpr = q_buf.shape[1] * q_buf.shape[-2]
     BLOCK_N: gl.constexpr = k_buf.shape[1]
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_lo = reinterpret(q_buf, dtype, [2, ROWS, 128], layout).index(0)
@@ -698,6 +706,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         gl.static_assert(not (ALIBI or REL_BIAS or BIAS or OWN_KEY_RANGE or TRIM_DIAGONAL or HAS_SEQUSED_Q),
                          "packed GQA rows: no per-head options, no row schedules")
         gl.static_assert(sink_ptr is None, "packed GQA rows: no learnable sink")
+        gl.static_assert(not IS_VARLEN, "packed GQA rows: dense batches")
         positions = rows // QUERY_GROUP
         diag = seqlen_k - seqlen_q // QUERY_GROUP
     else:
@@ -846,11 +855,11 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                 o_buf = o_smem.index(CONSUMER)
                 o_buf.reshape([64, V_DIM]).store(out)
                 fence_async_shared()
-                tma_store(o_desc, [0, q_start + my_start, head, 0], o_buf)
+                _store_rows(o_desc, 0, q_start + my_start, head, o_buf, QUERY_GROUP)
             else:
                 q_op.store(out)
                 fence_async_shared()
-                tma_store(o_desc, [0, q_start + my_start, head, 0], q_buf)
+                _store_rows(o_desc, 0, q_start + my_start, head, q_buf, QUERY_GROUP)
             tma.store_wait(0)
         else:
             # The sequence's last (ragged) rows: a TMA box would overwrite the next sequence's
@@ -868,7 +877,13 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                 keep = keep & gl.expand_dims(o_cols < HEAD_DIM_V_TRUE, 0)
             gl.store(o_ptrs, out, mask=keep)
     else:
-        lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
+        if QUERY_GROUP > 1:
+            # lse is the call's (b, h, s): row r is query head head * g + r % g at position r // g.
+            lse_heads = head * QUERY_GROUP + rows % QUERY_GROUP
+            lse_ptrs = (lse_ptr + batch.to(gl.int64) * stride_lse_b + lse_heads.to(gl.int64) * stride_lse_h
+                        + rows // QUERY_GROUP)
+        else:
+            lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
         gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
 
         if PERSISTENT:
@@ -878,20 +893,30 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             tma.store_wait(0)
             o_buf.reshape([64, V_DIM]).store(out)
             fence_async_shared()
-            tma_store(o_desc, [batch, my_start, head, 0], o_buf)
+            _store_rows(o_desc, batch, my_start, head, o_buf, QUERY_GROUP)
         elif O_APART:
             o_buf = o_smem.index(CONSUMER)
             o_buf.reshape([64, V_DIM]).store(out)
             fence_async_shared()
-            tma_store(o_desc, [batch, my_start, head, 0], o_buf)
+            _store_rows(o_desc, batch, my_start, head, o_buf, QUERY_GROUP)
             tma.store_wait(0)
         else:
             # Q is dead (last wgmma retired): reuse its buffer to stage O for a TMA store, which
             # clips rows past seqlen_q.
             q_op.store(out)
             fence_async_shared()
-            tma_store(o_desc, [batch, my_start, head, 0], q_buf)
+            _store_rows(o_desc, batch, my_start, head, q_buf, QUERY_GROUP)
             tma.store_wait(0)
+
+
+@gluon.jit
+def _store_rows(o_desc, batch, row, head, buf, QUERY_GROUP: gl.constexpr):
+    """TMA store of the 64 output rows staged in ``buf`` from ``row`` of (batch, head); packed GQA rows
+    (QUERY_GROUP > 1) as the (1, 64 / g, 1, g, d) box of out as (b, s, hk, g, d)."""
+    if QUERY_GROUP > 1:
+        tma_store(o_desc, [batch, row // QUERY_GROUP, head, 0, 0], buf)
+    else:
+        tma_store(o_desc, [batch, row, head, 0], buf)
 
 
 @gluon.jit
@@ -1062,7 +1087,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.init(q_empty.index(c), count=1)
     else:
-        if v_desc.block_type.shape[3] != q_desc.block_type.shape[3]:
+        if v_desc.block_type.shape[3] != q_desc.block_type.shape[-1]:
             # O's tile is not Q's shape: staged in its own buffer.
             o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         else:

@@ -115,11 +115,16 @@ class ForwardPlan:
                  seqused_q=None, seqused_k=None, max_seqlen_q=None, softcap: float = 0.0, window_left: int = -1,
                  window_right: int = -1, alibi_slopes=None, learnable_sink=None, rel_bias_table=None,
                  attn_bias=None, attn_bias_strides=(0, 0, 0), query_group: int = 1):
-        """query_group: rows per query position, a GQA group's query heads packed as the rows of their kv
-        head by the caller (GluonPackedGQA): q (b, sq * g, hk, d), row sq * g + i holding query head
-        hk * g + i; out and lse alike. A power of two dividing 64; no per-head options."""
+        """query_group: g > 1 runs each kv head's group of g query heads as the rows of its tiles (a
+        decode-shaped GQA call, launch.GluonPackedGQA): the kernel sees hk heads of sq * g rows, row
+        p * g + i being query head hk * g + i at position p, and reads q and writes out and lse (the
+        call's own tensors) in place. A power of two dividing 64 and the call's h / hk; dense batches,
+        no per-head options."""
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        if query_group > 1:
+            assert nheads == nheads_k * query_group and cu_seqlens_q is None
+            seqlen_q, nheads = seqlen_q * query_group, nheads_k
         local, window_left, window_right = band_sides(causal, window_left, window_right)
         if query_group > 1 and causal and not local:
             # Packed GQA rows span few positions: every tile has about the same key blocks, so the causal
@@ -135,7 +140,7 @@ class ForwardPlan:
         if query_group > 1:
             assert 64 % query_group == 0 and query_group & (query_group - 1) == 0
             assert alibi_slopes is None and learnable_sink is None and rel_bias_table is None and attn_bias is None
-            assert seqused_q is None and seqlen_q % query_group == 0 and not causal
+            assert seqused_q is None and not causal
         assert not cfg.pingpong or cfg.num_consumers >= 2
         # Ping-pong counts every warpgroup's issue points per tile alike; trimming is the d64 pair's.
         assert not cfg.own_key_range or not (cfg.pingpong or cfg.trim_diagonal)
@@ -191,8 +196,8 @@ class ForwardPlan:
         # Tiles are block_d wide: a head dim that is not a power of two (96, 192) gets boxes wider than
         # the tensors, whose missing columns TMA reads as zeros and never writes.
         block_d, head_dim_v = padded_head_dim(head_dim), v.shape[-1]
-        self.q_tiles = DescriptorTemplate(q, ROWS_PER_CONSUMER, block_d)
-        self.o_tiles = DescriptorTemplate(out, ROWS_PER_CONSUMER, padded_head_dim(head_dim_v))
+        self.q_tiles = DescriptorTemplate(q, ROWS_PER_CONSUMER, block_d, query_group)
+        self.o_tiles = DescriptorTemplate(out, ROWS_PER_CONSUMER, padded_head_dim(head_dim_v), query_group)
         self.k_tiles = DescriptorTemplate(k, cfg.block_n, block_d)
         self.v_tiles = DescriptorTemplate(v, cfg.block_n, padded_head_dim(head_dim_v))
         self.call = CompiledCall(

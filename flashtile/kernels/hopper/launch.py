@@ -38,43 +38,19 @@ class GluonForward:
 
 class GluonPackedGQA:
     """A GQA call of a few query rows per sequence (dense, decode-shaped: dispatch.packed_gqa_on_hopper) on
-    the Hopper forward, a kv head's group of g query heads packed as the rows of its tiles: q (b, s, h, d)
-    is copied to (b, s * g, hk, d), whose row s * g + i is query head hk * g + i at position s (the
-    kernel's QUERY_GROUP masks by position), and the packed out and lse are copied back. Each K and V
-    tile then serves the whole group, and s * g rows fill the 128-row tiles that s rows would leave
-    mostly empty. The copies move the queries and outputs: a few percent of the keys and values these
-    calls read."""
+    the Hopper forward, a kv head's group of g query heads packed as the rows of its tiles (the kernel's
+    QUERY_GROUP): row p * g + i of kv head hk is query head hk * g + i at position p. Each K and V tile
+    then serves the whole group, and s * g rows fill the 128-row tiles that s rows would leave mostly
+    empty. Q and O move through TMA boxes of (positions, group) over the call's own q and out, and lse
+    is stored by (head, position): no copies."""
 
     def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg):
-        self.group = q.shape[2] // k.shape[2]
-        q_rows, out_rows, lse_rows = self._packed(q, out, k.shape[2], copy=False)
-        self.plan = ForwardPlan(q_rows, k, v, out_rows, lse_rows, params.softmax_scale, params.causal, cfg,
+        self.plan = ForwardPlan(q, k, v, out, lse, params.softmax_scale, params.causal, cfg,
                                 softcap=params.softcap, window_left=params.window_left,
-                                window_right=params.window_right, query_group=self.group)
-
-    def _packed(self, q, out, nheads_k: int, copy: bool = True) -> tuple:
-        """q with its group's heads as rows (b, s * g, hk, d) (with ``copy``, q's values; else an empty
-        tensor of that layout), and empty packed out (b, s * g, hk, dv) and lse (b, hk, s * g)."""
-        batch, rows, _, head_dim = q.shape
-        g = self.group
-        if copy:
-            # contiguous: the plan's descriptors take the layout of the first call's (a view could differ)
-            q_rows = q.reshape(batch, rows, nheads_k, g, head_dim).transpose(2, 3).reshape(
-                batch, rows * g, nheads_k, head_dim).contiguous()
-        else:
-            q_rows = q.new_empty((batch, rows * g, nheads_k, head_dim))
-        out_rows = out.new_empty((batch, rows * g, nheads_k, out.shape[3]))
-        lse_rows = torch.empty((batch, nheads_k, rows * g), dtype=torch.float32, device=q.device)
-        return q_rows, out_rows, lse_rows
+                                window_right=params.window_right, query_group=q.shape[2] // k.shape[2])
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
-        batch, rows, _, _ = q.shape
-        nheads_k, g = k.shape[2], self.group
-        q_rows, out_rows, lse_rows = self._packed(q, out, nheads_k)
-        self.plan(q_rows, k, v, out_rows, lse_rows)
-        out.view(batch, rows, nheads_k, g, out.shape[3]).copy_(
-            out_rows.view(batch, rows, g, nheads_k, out.shape[3]).transpose(2, 3))
-        lse.view(batch, nheads_k, g, rows).copy_(lse_rows.view(batch, nheads_k, rows, g).transpose(2, 3))
+        self.plan(q, k, v, out, lse)
 
 
 def _rel_bias_table(params: ScoreParams):

@@ -103,11 +103,23 @@ class DescriptorTemplate:
     """Host TMA descriptors over TMA-aligned (b, s, h, d) views (see tma_aligned) of one shape,
     strides and dtype, for Gluon kernels: (1, rows, 1, cols or d) boxes, swizzled the way wgmma
     reads them. Calling it with a tensor of that shape, strides and dtype gives its descriptor:
-    only the base changes (launch plans build descriptors on every call)."""
+    only the base changes (launch plans build descriptors on every call).
+    group > 1 (a power of two dividing rows): the tensor as (b, s, h / group, group, d) and
+    (1, rows / group, 1, group, cols) boxes, a kv head's group of query heads at rows / group
+    positions. Their rows lie in shared memory as a (rows, cols) box's do (row p * group + i is
+    position p, head i), since the swizzle follows the address."""
 
-    def __init__(self, t: torch.Tensor, rows: int, cols: int = 0):
-        block = (1, rows, 1, cols or t.shape[-1])
-        self.shape, self.strides, self.block = list(t.shape), list(t.stride()), list(block)
+    def __init__(self, t: torch.Tensor, rows: int, cols: int = 0, group: int = 1):
+        cols = cols or t.shape[-1]
+        self.shape, self.strides = list(t.shape), list(t.stride())
+        if group > 1:
+            batch, seqlen, heads, dim = t.shape
+            self.shape = [batch, seqlen, heads // group, group, dim]
+            self.strides = [t.stride(0), t.stride(1), t.stride(2) * group, t.stride(2), t.stride(3)]
+            block = (1, rows // group, 1, group, cols)
+        else:
+            block = (1, rows, 1, cols)
+        self.block = list(block)
         self.layout = _swizzled_layout(block, t.dtype)
 
     def __call__(self, t: torch.Tensor):
