@@ -342,14 +342,22 @@ def _packed_rows_on_64_row_tiles(tile_rows: int, programs_of_128: int, head_dim:
 def packed_gqa_tiles(q, k, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], block_m: int = 1) -> int:
     """The block_m-row tiles of a decode-shaped call (decode_route) run on the Hopper forward with each GQA
     group's query heads packed as rows (kernels/hopper/launch.GluonPackedGQA), or 0 where it cannot run
-    so: dense calls of 2 or more rows whose group is a power of two up to 64, packing into more than
+    so: calls of 2 or more rows per sequence whose group is a power of two up to 64, packing into more than
     DECODE_PACKED_MAX_ROWS rows per kv head and at least one whole tile, with no per-head options (ALiBi,
-    sinks, mods) and contiguous out and lse (None: not known yet, flashtile.explain). The default block_m
-    asks only whether the call qualifies before a config is looked up."""
-    if seqs is not None or q.shape[1] < 2 or any(t is not None and not t.is_contiguous() for t in (out, lse)):
+    sinks, mods) and contiguous out (TMA-aligned) and lse (None: not known yet, flashtile.explain). Packed
+    batches count the grid's tiles (every sequence as long as the longest) and need both prefix sums and no
+    seqused. The default block_m asks only whether the call qualifies before a config is looked up."""
+    if any(t is not None and not t.is_contiguous() for t in (out, lse)) or (out is not None and not tma_aligned(out)):
         return 0
-    batch, rows, nheads, _ = q.shape
+    if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None or seqs.seqused_q is not None
+                             or seqs.seqused_k is not None or seqs.paged):
+        return 0
+    batch, rows, nheads, _ = q.shape  # packed batches: (1, total, h, d)
+    if seqs is not None:
+        batch, rows = seqs.batch, seqs.max_seqlen_q
     group = nheads // k.shape[2]
+    if rows < 2:
+        return 0
     if group < 2 or group > 64 or group & (group - 1) or rows * group <= max(DECODE_PACKED_MAX_ROWS, block_m - 1):
         return 0
     if params.alibi_slopes is not None or params.learnable_sink is not None or params.mods is not None:
@@ -364,7 +372,7 @@ def packed_gqa_on_hopper(q, k, v, out, lse, params: ScoreParams, seqs: Optional[
     faster, and split-KV has little left to fill."""
     if q.device.type != "cuda" or packed_gqa_tiles(q, k, out, lse, params, seqs) == 0:
         return None
-    cfg = gluon_config(FWD_GLUON, q, k, v, params)
+    cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     if cfg is None:
         return None
     cfg = packed_gqa_config(arch_of(q.device), padded_head_dim(q.shape[-1]), cfg)
@@ -441,7 +449,7 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
         if packed_cfg is not None:
             from .kernels.hopper.launch import GluonPackedGQA
 
-            return GluonPackedGQA(q, k, v, out, lse, params, packed_cfg)
+            return GluonPackedGQA(q, k, v, out, lse, params, packed_cfg, seqs)
         table_plan = DecodeForward(q, k, v, out, lse, params, seqs)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            DecodeForward(q, k, v, out, lse, params, seqs, cfg=c), table_plan.cfg)

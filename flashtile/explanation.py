@@ -205,8 +205,9 @@ def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -
         packed_cfg = None if hypothetical_capability is not None else packed_gqa_on_hopper(q, k, v, None, None,
                                                                                           params, seqs)
         if packed_cfg is not None:
+            rows = q.shape[1] if seqs is None else f"up to {seqs.max_seqlen_q}"
             return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], packed_cfg,
-                              f"{q.shape[1]} query rows per sequence with GQA groups of {q.shape[2] // k.shape[2]}: "
+                              f"{rows} query rows per sequence with GQA groups of {q.shape[2] // k.shape[2]}: "
                               "the Hopper forward, each group's query heads packed as rows (its tiles fill the GPU "
                               "without split-KV)")
         cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, tile_head_dim(q, v), params.causal,

@@ -15,6 +15,7 @@ from flashtile.configs import (DECODE_MAX_ROWS, DECODE_ROUTE_KEYS_PER_ROW, DECOD
                                FWD_DECODE_PACKED)
 from flashtile.options import PackedSeqs, ScoreParams
 from flashtile.reference import attention_naive
+from flashtile.testing import check_lse
 
 from _cases import DEVICE, DTYPES, ON_GPU, check_against_reference, make_qkv, randn
 
@@ -86,6 +87,18 @@ def test_packed_gqa_tiles(batch, seqlen_q, nheads, nheads_k, block_m, options, t
     assert dispatch.packed_gqa_tiles(q, k, None, None, params, PackedSeqs(None, None, seqlen_q, 4096), block_m) == 0
 
 
+def test_packed_gqa_tiles_varlen():
+    """Packed batches: the grid's tiles (every sequence as long as the longest); no seqused."""
+    q = torch.empty(1, 100, 32, 64, device="meta")
+    k = torch.empty(1, 5000, 8, 64, device="meta")
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    params = ScoreParams(softmax_scale=0.125, window_right=0)
+    assert dispatch.packed_gqa_tiles(q, k, None, None, params, PackedSeqs(cu, cu, 40, 4096), 128) == 3 * 8 * 2
+    assert dispatch.packed_gqa_tiles(q, k, None, None, params, PackedSeqs(cu, cu, 16, 4096), 128) == 0
+    assert dispatch.packed_gqa_tiles(q, k, None, None, params, PackedSeqs(cu, cu, 40, 4096, seqused_q=cu[1:]),
+                                     128) == 0
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, options", [
@@ -140,6 +153,36 @@ def _packed(lengths_q, lengths_k, nheads, nheads_k, dtype, head_dim=64):
     k = randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype)
     v = randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype)
     return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths_q, lengths_k, nheads, nheads_k, head_dim, options", [
+    ([33, 17, 64, 1, 0, 40], [1500, 700, 2048, 300, 64, 1023], 16, 4, 128, dict(causal=True)),
+    ([64, 9, 50], [4500, 2000, 999], 64, 8, 64, dict(causal=False)),
+    ([24, 31], [800, 1200], 16, 2, 96, dict(causal=True, window_size=(200, 0), softcap=20.0)),
+])
+def test_packed_gqa_varlen_on_hopper(monkeypatch, dtype, lengths_q, lengths_k, nheads, nheads_k, head_dim, options):
+    """flash_attn_varlen_func with a few query rows per sequence on the Hopper forward, each group's heads packed
+    as rows (the tile threshold lifted): each sequence's out and lse against float64."""
+    monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, nheads, nheads_k, dtype, head_dim)
+    lengths = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    explanation = flashtile.explain(q, k, v, **lengths, **options)
+    assert "packed as rows" in explanation.forward.reason, explanation.forward.reason
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, lengths["max_seqlen_q"],
+                                                   lengths["max_seqlen_k"], return_attn_probs=True, **options)
+    window = options.get("window_size", (-1, -1))
+    for i in range(len(lengths_k)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if qs.stop == qs.start:
+            continue
+        common = dict(causal=options["causal"], window_size=window, softcap=options.get("softcap", 0.0))
+        ref, ref_lse = attention_naive(q[qs][None], k[ks][None], v[ks][None], **common)
+        same_dtype, _ = attention_naive(q[qs][None], k[ks][None], v[ks][None], dtype=None, **common)
+        err = (out[qs][None].double() - ref).abs().max().item()
+        assert err <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4, (i, err)
+        check_lse(lse[:, qs], ref_lse[0])  # d64's tile takes its row sums on the tensor cores (bf16 P)
 
 
 @pytest.mark.parametrize("lengths_q", [[1, 1, 1], [1, 0, 1], [4, 1, 3], [20, 0, 33]])

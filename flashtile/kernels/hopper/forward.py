@@ -33,7 +33,7 @@ head's group of g query heads are the rows of its tiles (row r of kv head hk is 
 at position r // g), so one tile's K/V blocks serve the whole group. The kernel sees hk "heads" of s * g
 rows; Q and O move through 5-D TMA boxes (1, 64 / g, 1, g, d) over q and out as (b, s, hk, g, d), whose
 shared-memory image is the (64, d) tile of those rows, and lse is stored by (head, position). The masks
-and block ranges see positions (r // g).
+and block ranges see positions (r // g). A packed sequence's rows are its positions times g.
 
 Head dims 96 and 192 (HEAD_DIM_TRUE) run the d128 and d256 kernels: the TMA boxes keep the padded
 width over the true-width tensors, so loads zero-fill the missing columns (S is exact, O's padded
@@ -205,7 +205,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
-            BLOCK_M, CAUSAL, IS_VARLEN)
+            BLOCK_M, CAUSAL, IS_VARLEN, QUERY_GROUP)
         n_first, _, _, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
                                             CAUSAL, LOCAL, seqused_q is not None, QUERY_GROUP)
         # A window's tile starts at its first visible key block.
@@ -706,7 +706,6 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
         gl.static_assert(not (ALIBI or REL_BIAS or BIAS or OWN_KEY_RANGE or TRIM_DIAGONAL or HAS_SEQUSED_Q),
                          "packed GQA rows: no per-head options, no row schedules")
         gl.static_assert(sink_ptr is None, "packed GQA rows: no learnable sink")
-        gl.static_assert(not IS_VARLEN, "packed GQA rows: dense batches")
         positions = rows // QUERY_GROUP
         diag = seqlen_k - seqlen_q // QUERY_GROUP
     else:
@@ -846,8 +845,13 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     out = out.to(q_smem.dtype)
 
     if IS_VARLEN:
-        # lse is (h, total_q): the sequence's rows start at column q_start.
-        lse_ptrs = lse_ptr + head.to(gl.int64) * stride_lse_h + (q_start + rows)
+        # lse is (h, total_q): the sequence's rows start at column q_start (packed GQA rows: at position
+        # q_start // g, row r being query head head * g + r % g).
+        if QUERY_GROUP > 1:
+            lse_heads = head * QUERY_GROUP + rows % QUERY_GROUP
+            lse_ptrs = lse_ptr + lse_heads.to(gl.int64) * stride_lse_h + (q_start + rows) // QUERY_GROUP
+        else:
+            lse_ptrs = lse_ptr + head.to(gl.int64) * stride_lse_h + (q_start + rows)
         gl.store(lse_ptrs, lse, mask=rows < rows_end)
         if my_start + 64 <= rows_end:
             # The whole box lies in this sequence: TMA store through the dead Q buffer (or O's own).
@@ -868,8 +872,13 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             o_cols = gl.arange(0, V_DIM, layout=gl.SliceLayout(0, o_layout))
             # out has a TMA descriptor, so 16-byte strides: multiples of 8 elements. Spelled out
             # (x // 8 * 8) so the compiler can vectorize the stores.
-            row_off = ((q_start + o_rows).to(gl.int64) * (stride_o_s // 8 * 8)
-                       + head.to(gl.int64) * (stride_o_h // 8 * 8))
+            if QUERY_GROUP > 1:
+                o_heads = head * QUERY_GROUP + o_rows % QUERY_GROUP
+                row_off = (((q_start + o_rows) // QUERY_GROUP).to(gl.int64) * (stride_o_s // 8 * 8)
+                           + o_heads.to(gl.int64) * (stride_o_h // 8 * 8))
+            else:
+                row_off = ((q_start + o_rows).to(gl.int64) * (stride_o_s // 8 * 8)
+                           + head.to(gl.int64) * (stride_o_h // 8 * 8))
             o_ptrs = o_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
             keep = gl.expand_dims(o_rows < rows_end, 1)
             if HEAD_DIM_V_TRUE < V_DIM:
@@ -978,7 +987,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
-            BLOCK_M, CAUSAL, IS_VARLEN)
+            BLOCK_M, CAUSAL, IS_VARLEN, QUERY_GROUP)
         n_first, n_free_lo, n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                              BLOCK_M, BLOCK_N, CAUSAL, LOCAL, seqused_q is not None,
                                                              QUERY_GROUP)

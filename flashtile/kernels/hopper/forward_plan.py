@@ -118,12 +118,13 @@ class ForwardPlan:
         """query_group: g > 1 runs each kv head's group of g query heads as the rows of its tiles (a
         decode-shaped GQA call, launch.GluonPackedGQA): the kernel sees hk heads of sq * g rows, row
         p * g + i being query head hk * g + i at position p, and reads q and writes out and lse (the
-        call's own tensors) in place. A power of two dividing 64 and the call's h / hk; dense batches,
-        no per-head options."""
+        call's own tensors) in place. A power of two dividing 64 and the call's h / hk; no per-head
+        options, no seqused_q. Packed batches: the sequences' rows are their positions times g
+        (max_seqlen_q counts positions)."""
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
         if query_group > 1:
-            assert nheads == nheads_k * query_group and cu_seqlens_q is None
+            assert nheads == nheads_k * query_group
             seqlen_q, nheads = seqlen_q * query_group, nheads_k
         local, window_left, window_right = band_sides(causal, window_left, window_right)
         if query_group > 1 and causal and not local:
@@ -166,7 +167,7 @@ class ForwardPlan:
             if max_seqlen_q is None:
                 max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if n_seqs > 0 else 0
             # (query block, head, sequence); lse is (h, total_q), the sequence offset is added in the kernel.
-            grid = (triton.cdiv(max_seqlen_q, cfg.block_m), nheads, n_seqs)
+            grid = (triton.cdiv(max_seqlen_q * query_group, cfg.block_m), nheads, n_seqs)
             lse_strides = (0, lse.stride(0))
             out_strides = (out.stride(1), out.stride(2))
             persistent = False

@@ -10,7 +10,8 @@ from .tile_order import grouped_tile_order
 
 @gluon.jit
 def forward_tile(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
-                 heads_per_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
+                 heads_per_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
+                 QUERY_GROUP: gl.constexpr = 1):
     """What this CTA works on: (start_m, head, kv head, batch, q_start, k_start, seqlen_q, seqlen_k,
     rows_end, valid). start_m is relative to its sequence, whose rows start at q_start and keys at
     k_start; seqlen_q / seqlen_k are the rows / keys the sequence uses, rows_end its rows (>= seqlen_q,
@@ -18,13 +19,18 @@ def forward_tile(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seq
     Dense: batch is the TMA batch coordinate and every offset is 0. Varlen: the sequences are packed
     along a batch-1 tensor, batch is the sequence, the TMA batch coordinate is 0.
     Causal: the longest tiles (the most key blocks) launch first; dense grids with heads_per_group
-    (not None) go through groups of that many (batch, head) pairs (tile_order.py)."""
+    (not None) go through groups of that many (batch, head) pairs (tile_order.py).
+    QUERY_GROUP: rows per query position (GQA groups packed as rows): a packed sequence's rows are its
+    positions times QUERY_GROUP."""
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     batch = gl.program_id(2)
     if IS_VARLEN:
         q_start = gl.load(cu_seqlens_q + batch)
         rows_end = gl.load(cu_seqlens_q + batch + 1) - q_start
+        if QUERY_GROUP > 1:
+            q_start = q_start * QUERY_GROUP
+            rows_end = rows_end * QUERY_GROUP
         k_start = gl.load(cu_seqlens_k + batch)
         if seqused_q is not None:
             seqlen_q = gl.load(seqused_q + batch)
