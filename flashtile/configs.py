@@ -287,9 +287,9 @@ _D64_ONE_CONSUMER_X3 = GluonFwdConfig(block_n=64, num_stages=2, num_consumers=1,
 # Decode-shaped GQA calls that run on the Hopper forward with each group's query heads packed as rows
 # (dispatch.packed_gqa_on_hopper) take these configs by architecture and padded head dim, else the dense
 # table's. Their tiles all read the same keys (a causal call runs as a band), so the causal schedules buy
-# nothing. H200, 64 sequences x 8k keys: at d64 (8/1 heads x 64 rows) four consumers over a 10-deep ring,
-# 1.5x the dense table's three consumers without causal; at d128 the table's non-causal tile, which ran
-# 1.11-1.17x its causal one (ping-pong, persistent) with causal (docs/experiments.md, 2026-12-02).
+# nothing: d128 takes the non-causal two-stage tile either way, d64 four consumers over a 10-deep ring
+# with or without causal (the dense table's non-causal three-consumer tile measured well behind it on
+# packed rows; A/B runs in docs/experiments.md, 2026-12-02).
 _PACKED_GQA_GLUON_FWD = {
     "sm90": {64: replace(_D64_FOUR_CONSUMERS_PERSISTENT, num_stages=10),
              128: GluonFwdConfig(block_n=128, num_stages=2)},
