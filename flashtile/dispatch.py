@@ -341,7 +341,7 @@ def _packed_rows_on_64_row_tiles(tile_rows: int, programs_of_128: int, head_dim:
 
 def packed_gqa_tiles(q, k, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs], block_m: int = 1) -> int:
     """The block_m-row tiles of a decode-shaped call (decode_route) run on the Hopper forward with each GQA
-    group's query heads packed as rows (kernels/hopper/launch.GluonPackedGQA), or 0 where it cannot run
+    group's query heads packed as rows (kernels/hopper/launch.GluonForward's query_group), or 0 where it cannot run
     so: calls of 2 or more rows per sequence whose group is a power of two up to 64, packing into more than
     DECODE_PACKED_MAX_ROWS rows per kv head and at least one whole tile, with no per-head options (ALiBi,
     sinks, mods) and contiguous out (TMA-aligned) and lse (None: not known yet, flashtile.explain). Packed
@@ -447,9 +447,9 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
     if decode_route(q, k, params, seqs) is not None:
         packed_cfg = packed_gqa_on_hopper(q, k, v, out, lse, params, seqs)
         if packed_cfg is not None:
-            from .kernels.hopper.launch import GluonPackedGQA
+            from .kernels.hopper.launch import GluonForward
 
-            return GluonPackedGQA(q, k, v, out, lse, params, packed_cfg, seqs)
+            return GluonForward(q, k, v, out, lse, params, packed_cfg, seqs, query_group=q.shape[2] // k.shape[2])
         table_plan = DecodeForward(q, k, v, out, lse, params, seqs)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            DecodeForward(q, k, v, out, lse, params, seqs, cfg=c), table_plan.cfg)

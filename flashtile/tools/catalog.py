@@ -107,9 +107,10 @@ def gluon_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig, s
 def gluon_packed_gqa_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig):
     """The Hopper forward's launch for a decode-shaped GQA call, the groups' heads packed as rows
     (dispatch.packed_gqa_on_hopper)."""
-    from ..kernels.hopper.launch import GluonPackedGQA
+    from ..kernels.hopper.launch import GluonForward
 
-    return capture(lambda: GluonPackedGQA(q, k, v, out, lse, params, cfg)(q, k, v, out, lse, params))
+    group = q.shape[2] // k.shape[2]
+    return capture(lambda: GluonForward(q, k, v, out, lse, params, cfg, query_group=group)(q, k, v, out, lse, params))
 
 
 def portable_forward(q, k, v, out, lse, params: ScoreParams, cfg: KernelConfig, seqs: Optional[PackedSeqs] = None):

@@ -845,13 +845,9 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
     out = out.to(q_smem.dtype)
 
     if IS_VARLEN:
-        # lse is (h, total_q): the sequence's rows start at column q_start (packed GQA rows: at position
-        # q_start // g, row r being query head head * g + r % g).
-        if QUERY_GROUP > 1:
-            lse_heads = head * QUERY_GROUP + rows % QUERY_GROUP
-            lse_ptrs = lse_ptr + lse_heads.to(gl.int64) * stride_lse_h + (q_start + rows) // QUERY_GROUP
-        else:
-            lse_ptrs = lse_ptr + head.to(gl.int64) * stride_lse_h + (q_start + rows)
+        # lse is (h, total_q): the sequence's rows start at column q_start (packed GQA rows: position q_start // g).
+        positions, heads = _position_and_head(q_start + rows, head, QUERY_GROUP)
+        lse_ptrs = lse_ptr + heads.to(gl.int64) * stride_lse_h + positions
         gl.store(lse_ptrs, lse, mask=rows < rows_end)
         if my_start + 64 <= rows_end:
             # The whole box lies in this sequence: TMA store through the dead Q buffer (or O's own).
@@ -872,13 +868,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             o_cols = gl.arange(0, V_DIM, layout=gl.SliceLayout(0, o_layout))
             # out has a TMA descriptor, so 16-byte strides: multiples of 8 elements. Spelled out
             # (x // 8 * 8) so the compiler can vectorize the stores.
-            if QUERY_GROUP > 1:
-                o_heads = head * QUERY_GROUP + o_rows % QUERY_GROUP
-                row_off = (((q_start + o_rows) // QUERY_GROUP).to(gl.int64) * (stride_o_s // 8 * 8)
-                           + o_heads.to(gl.int64) * (stride_o_h // 8 * 8))
-            else:
-                row_off = ((q_start + o_rows).to(gl.int64) * (stride_o_s // 8 * 8)
-                           + head.to(gl.int64) * (stride_o_h // 8 * 8))
+            o_positions, o_heads = _position_and_head(q_start + o_rows, head, QUERY_GROUP)
+            row_off = o_positions.to(gl.int64) * (stride_o_s // 8 * 8) + o_heads.to(gl.int64) * (stride_o_h // 8 * 8)
             o_ptrs = o_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(o_cols, 0)
             keep = gl.expand_dims(o_rows < rows_end, 1)
             if HEAD_DIM_V_TRUE < V_DIM:
@@ -886,13 +877,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
                 keep = keep & gl.expand_dims(o_cols < HEAD_DIM_V_TRUE, 0)
             gl.store(o_ptrs, out, mask=keep)
     else:
-        if QUERY_GROUP > 1:
-            # lse is the call's (b, h, s): row r is query head head * g + r % g at position r // g.
-            lse_heads = head * QUERY_GROUP + rows % QUERY_GROUP
-            lse_ptrs = (lse_ptr + batch.to(gl.int64) * stride_lse_b + lse_heads.to(gl.int64) * stride_lse_h
-                        + rows // QUERY_GROUP)
-        else:
-            lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows
+        positions, heads = _position_and_head(rows, head, QUERY_GROUP)
+        lse_ptrs = lse_ptr + batch.to(gl.int64) * stride_lse_b + heads.to(gl.int64) * stride_lse_h + positions
         gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
 
         if PERSISTENT:
@@ -916,6 +902,17 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_read
             fence_async_shared()
             _store_rows(o_desc, batch, my_start, head, q_buf, QUERY_GROUP)
             tma.store_wait(0)
+
+
+@gluon.jit
+def _position_and_head(rows, head, QUERY_GROUP: gl.constexpr):
+    """(position, query head) of the tile rows ``rows`` of head ``head``: with packed GQA rows (QUERY_GROUP = g
+    > 1) row r of kv head ``head`` is query head head * g + r % g at position r // g; else the rows are the
+    positions, all of the one head."""
+    if QUERY_GROUP > 1:
+        return rows // QUERY_GROUP, head * QUERY_GROUP + rows % QUERY_GROUP
+    else:
+        return rows, head
 
 
 @gluon.jit

@@ -116,7 +116,7 @@ class ForwardPlan:
                  window_right: int = -1, alibi_slopes=None, learnable_sink=None, rel_bias_table=None,
                  attn_bias=None, attn_bias_strides=(0, 0, 0), query_group: int = 1):
         """query_group: g > 1 runs each kv head's group of g query heads as the rows of its tiles (a
-        decode-shaped GQA call, launch.GluonPackedGQA): the kernel sees hk heads of sq * g rows, row
+        decode-shaped GQA call, launch.GluonForward's query_group): the kernel sees hk heads of sq * g rows, row
         p * g + i being query head hk * g + i at position p, and reads q and writes out and lse (the
         call's own tensors) in place. A power of two dividing 64 and the call's h / hk; no per-head
         options, no seqused_q. Packed batches: the sequences' rows are their positions times g

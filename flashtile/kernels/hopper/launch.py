@@ -17,15 +17,23 @@ from .forward_plan import ForwardPlan
 
 class GluonForward:
     """forward_plan.ForwardPlan called as attention_forward's plans are: packed batches pass their
-    prefix sums, and lse as its (h, total_q) view; the score options come from ScoreParams."""
+    prefix sums, and lse as its (h, total_q) view; the score options come from ScoreParams.
 
-    def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None):
+    query_group g > 1: a GQA call of a few query rows per sequence (decode-shaped:
+    dispatch.packed_gqa_on_hopper), a kv head's group of g query heads packed as the rows of its tiles
+    (the kernel's QUERY_GROUP): row p * g + i of kv head hk is query head hk * g + i at position p. Each
+    K and V tile then serves the whole group, and s * g rows fill the 128-row tiles that s rows would
+    leave mostly empty. Q and O move through TMA boxes of (positions, group) over the call's own q and
+    out, and lse is stored by (head, position): no copies. Such calls carry no per-head options."""
+
+    def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
+                 query_group: int = 1):
         self.plan = ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale, params.causal,
                                 cfg, max_seqlen_q=None if seqs is None else seqs.max_seqlen_q,
                                 softcap=params.softcap, window_left=params.window_left,
                                 window_right=params.window_right, alibi_slopes=params.alibi_slopes,
                                 learnable_sink=params.learnable_sink, rel_bias_table=_rel_bias_table(params),
-                                **_attn_bias(params), **gluon_seq_tensors(seqs))
+                                query_group=query_group, **_attn_bias(params), **gluon_seq_tensors(seqs))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         tensors = dict(alibi_slopes=params.alibi_slopes, learnable_sink=params.learnable_sink,
@@ -34,29 +42,6 @@ class GluonForward:
             self.plan(q, k, v, out, lse, **tensors)
         else:
             self.plan(q, k, v, out, lse[0], **tensors, **gluon_seq_tensors(seqs))
-
-
-class GluonPackedGQA:
-    """A GQA call of a few query rows per sequence (decode-shaped: dispatch.packed_gqa_on_hopper) on
-    the Hopper forward, a kv head's group of g query heads packed as the rows of its tiles (the kernel's
-    QUERY_GROUP): row p * g + i of kv head hk is query head hk * g + i at position p. Each K and V tile
-    then serves the whole group, and s * g rows fill the 128-row tiles that s rows would leave mostly
-    empty. Q and O move through TMA boxes of (positions, group) over the call's own q and out, and lse
-    is stored by (head, position): no copies. Packed batches pass their prefix sums, and lse as its
-    (h, total_q) view."""
-
-    def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None):
-        self.plan = ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale, params.causal,
-                                cfg, max_seqlen_q=None if seqs is None else seqs.max_seqlen_q,
-                                softcap=params.softcap, window_left=params.window_left,
-                                window_right=params.window_right, query_group=q.shape[2] // k.shape[2],
-                                **gluon_seq_tensors(seqs))
-
-    def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
-        if seqs is None:
-            self.plan(q, k, v, out, lse)
-        else:
-            self.plan(q, k, v, out, lse[0], **gluon_seq_tensors(seqs))
 
 
 def _rel_bias_table(params: ScoreParams):
