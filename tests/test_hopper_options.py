@@ -31,7 +31,7 @@ OPTIONS = [
     (False, (-1, -1), 0.0, "h"),       # ALiBi (BLOOM, MPT)
     (True, (-1, -1), 0.0, "bh"),
     (True, (512, -1), 50.0, "bh"),     # all of them
-    (False, (256, 256), 30.0, "h"),    # ALiBi's distances of both signs in a block, with softcap and a window
+    (False, (256, 256), 30.0, "h"),    # a window across the diagonal: ALiBi distances of both signs, softcap
 ]
 OPTION_IDS = ["causal-window", "two-sided", "right-only", "window-0-0", "softcap", "causal-softcap", "alibi",
               "causal-alibi-bh", "all", "two-sided-all"]
@@ -116,7 +116,11 @@ def test_dropout_stays_off_the_hopper_forward():
     assert "dropout" in explanation.forward.reason
 
 
-@pytest.mark.parametrize("causal,window_size,softcap,alibi", [OPTIONS[0], OPTIONS[-2]], ids=["causal-window", "all"])
+SINK_OPTIONS = ["causal-window", "all"]
+
+
+@pytest.mark.parametrize("causal,window_size,softcap,alibi", [OPTIONS[OPTION_IDS.index(i)] for i in SINK_OPTIONS],
+                         ids=SINK_OPTIONS)
 def test_learnable_sink_stays_on_hopper(causal, window_size, softcap, alibi):
     """A learnable sink is taken in by the Hopper forward's epilogue and the backward's preprocess:
     with the options, the call stays on the Hopper kernels (the sink's values: tests/test_sinks.py)."""
