@@ -145,15 +145,20 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
                       "q, k head dims above 128 (the portable one takes any)")
     if seqs is not None and seqs.paged:
         return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
-    if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None):
+    # A kv cache's dense rows (no prefix sums on either side, seqused_k) run on the forward.
+    cache_rows = (kernel == FWD_GLUON and seqs is not None and seqs.cu_seqlens_q is None
+                  and seqs.cu_seqlens_k is None and seqs.seqused_k is not None and seqs.seqused_q is None)
+    if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None) and not cache_rows:
         return None, "a side without cu_seqlens (the decode layout): the Hopper kernels read packed sequences only"
-    if seqs is not None and (seqs.seqused_k is not None or (kernel == BWD_GLUON and seqs.seqused_q is not None)):
-        # The Gluon kernels read whole tiles past a sequence's end and mask them; slots past
-        # seqused may hold anything (NaN * 0 is NaN), so those go to the portable kernels, which do
-        # not load them. The forward reads unused query rows harmlessly (their output is selected
-        # away), the backward adds them into dK and dV (P^T dO, dS^T Q with a zero P, dS).
+    if seqs is not None and seqs.key_shift is not None:
+        return None, "cache_leftpad is set: the Hopper forward reads each sequence's keys from its first row"
+    if seqs is not None and kernel == BWD_GLUON and (seqs.seqused_k is not None or seqs.seqused_q is not None):
+        # The Gluon backward reads whole tiles past a sequence's end and masks them; slots past
+        # seqused may hold anything, and it adds them into dK and dV (P^T dO, dS^T Q with a zero P,
+        # dS; NaN * 0 is NaN). The portable backward does not load them. (The forward zeroes V's
+        # rows past seqused_k and selects unused query rows away.)
         used = "seqused_k" if seqs.seqused_k is not None else "seqused_q"
-        return None, (f"{used} is set: the Hopper kernels read whole tiles past each sequence's used tokens, "
+        return None, (f"{used} is set: the Hopper backward reads whole tiles past each sequence's used tokens, "
                       "which may hold anything")
     tensors_reason = qkv_unsupported(q, k, v)
     if tensors_reason is not None:
@@ -164,7 +169,7 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         return None, f"an explicit portable config is set (configs.override of {overrides})"
     _, _, max_seqlen_k = grid_lengths(q, k, seqs)
     cfg = get_config(kernel, arch, tile_head_dim(q, v), *_table_mask(params, max_seqlen_k), q.dtype,
-                     varlen=seqs is not None)
+                     varlen=seqs is not None and not cache_rows)
     direction = "forward" if kernel == FWD_GLUON else "backward"
     mask = "causal" if params.causal else "full"
     if params.window_left >= 0 or params.window_right not in (-1, 0):
@@ -345,12 +350,14 @@ def packed_gqa_tiles(q, k, out, lse, params: ScoreParams, seqs: Optional[PackedS
     so: calls of 2 or more rows per sequence whose group is a power of two up to 64, packing into more than
     DECODE_PACKED_MAX_ROWS rows per kv head and at least one whole tile, with no per-head options (ALiBi,
     sinks, mods) and contiguous out (TMA-aligned) and lse (None: not known yet, flashtile.explain). Packed
-    batches count the grid's tiles (every sequence as long as the longest) and need both prefix sums and no
-    seqused. The default block_m asks only whether the call qualifies before a config is looked up."""
+    batches count the grid's tiles (every sequence as long as the longest) and need both prefix sums (or
+    neither: a kv cache's rows with seqused_k), no seqused_q and no pages. The default block_m asks only
+    whether the call qualifies before a config is looked up."""
     if any(t is not None and not t.is_contiguous() for t in (out, lse)) or (out is not None and not tma_aligned(out)):
         return 0
-    if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None or seqs.seqused_q is not None
-                             or seqs.seqused_k is not None or seqs.paged):
+    if seqs is not None and (seqs.seqused_q is not None or seqs.paged or seqs.key_shift is not None
+                             or (seqs.cu_seqlens_q is None) != (seqs.cu_seqlens_k is None)
+                             or (seqs.cu_seqlens_q is None and seqs.seqused_k is None)):
         return 0
     batch, rows, nheads, _ = q.shape  # packed batches: (1, total, h, d)
     if seqs is not None:
@@ -467,7 +474,10 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
 
 
 def _gluon_forward_config(q, k, v, out, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optional[Config]:
-    """The Hopper forward's config for this call, or None (a packed call's out must be TMA-aligned too)."""
+    """The Hopper forward's config for this call, or None (a packed call's out must be TMA-aligned too; a kv
+    cache's step of at most DECODE_MAX_ROWS rows per sequence stays on the decode kernels, whose tiles it fills)."""
+    if seqs is not None and seqs.cu_seqlens_q is None and seqs.max_seqlen_q <= DECODE_MAX_ROWS:
+        return None
     cfg = gluon_config(FWD_GLUON, q, k, v, params, seqs)
     return cfg if cfg is not None and (seqs is None or tma_aligned(out)) else None
 
@@ -847,6 +857,17 @@ class KVCacheStep:
         if self.forward is not None:
             # A plan reads only the data pointers of its tensors, and the views of rows start where
             # q, out and lse do: no views on later calls.
+            self.forward(q, k_cache, v_cache, out, lse, params, seqs)
+            return out, lse
+        # A few query rows per sequence with GQA, their groups packing whole tiles (packed_gqa_on_hopper): the
+        # Hopper forward, which zeroes the values past each sequence's cache length.
+        packed_cfg = None if self.rows_from_heads or self.read_through_table or q.shape[1] > DECODE_ROUTE_MAX_ROWS \
+            else packed_gqa_on_hopper(q, k_cache, v_cache, out, lse, params, seqs)
+        if packed_cfg is not None:
+            from .kernels.hopper.launch import GluonForward
+
+            self.forward = GluonForward(q, k_cache, v_cache, out, lse, params, packed_cfg, seqs,
+                                        query_group=q.shape[2] // k_cache.shape[2])
             self.forward(q, k_cache, v_cache, out, lse, params, seqs)
             return out, lse
         q_rows, out_rows, lse_rows = heads_as_rows(q, out, lse, k_cache.shape[2]) if self.rows_from_heads \

@@ -146,6 +146,16 @@ def test_rows_above_the_route_are_not_decode():
     assert dispatch.decode_route(q[:, :1], k, ScoreParams(softmax_scale=0.1, dropout_p=0.1), None) is None
 
 
+def _check_sequence(out, lse, q, k, v, **options):
+    """One sequence's out (1, s, h, d) and lse (h, s) against float64 attention: at most twice the error of
+    the same computation in the inputs' dtype."""
+    ref, ref_lse = attention_naive(q, k, v, **options)
+    same_dtype, _ = attention_naive(q, k, v, dtype=None, **options)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4, err
+    check_lse(lse, ref_lse[0])  # d64's tile takes its row sums on the tensor cores (bf16 P)
+
+
 def _packed(lengths_q, lengths_k, nheads, nheads_k, dtype, head_dim=64):
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
@@ -177,12 +187,88 @@ def test_packed_gqa_varlen_on_hopper(monkeypatch, dtype, lengths_q, lengths_k, n
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
         if qs.stop == qs.start:
             continue
-        common = dict(causal=options["causal"], window_size=window, softcap=options.get("softcap", 0.0))
-        ref, ref_lse = attention_naive(q[qs][None], k[ks][None], v[ks][None], **common)
-        same_dtype, _ = attention_naive(q[qs][None], k[ks][None], v[ks][None], dtype=None, **common)
-        err = (out[qs][None].double() - ref).abs().max().item()
-        assert err <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4, (i, err)
-        check_lse(lse[:, qs], ref_lse[0])  # d64's tile takes its row sums on the tensor cores (bf16 P)
+        _check_sequence(out[qs][None], lse[:, qs], q[qs][None], k[ks][None], v[ks][None], causal=options["causal"],
+                        window_size=window, softcap=options.get("softcap", 0.0))
+
+
+class _HopperForwardSpy:
+    """Records the query_group of every Hopper forward plan dispatch builds (a fresh plan cache: the
+    calls below build theirs)."""
+
+    def __init__(self, monkeypatch):
+        from flashtile import call_plans
+        from flashtile.kernels.hopper import launch
+
+        self.groups, real = [], launch.GluonForward
+
+        def spy(*args, query_group=1, **kwargs):
+            self.groups.append(query_group)
+            return real(*args, query_group=query_group, **kwargs)
+        monkeypatch.setattr(launch, "GluonForward", spy)
+        for cache in (call_plans.KVCACHE_STEPS, call_plans.VARLEN_CALLS, dispatch._FORWARD_PLANS):
+            cache.clear()
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seqlen_q, seqlen_new, nheads, nheads_k, head_dim, capacity, options", [
+    (32, 32, 32, 8, 128, 4096, dict(causal=True)),
+    (17, 0, 8, 1, 128, 3000, dict(causal=True)),
+    (64, 64, 8, 1, 64, 2048, dict(causal=False)),
+    (24, 24, 16, 2, 96, 1500, dict(causal=True, window_size=(300, 0), softcap=30.0)),
+    (40, 0, 16, 4, 256, 1100, dict(causal=True)),
+    (200, 200, 8, 2, 128, 3000, dict(causal=True)),  # a prefill chunk: a tile per query head
+])
+def test_kvcache_on_hopper_over_nan_slots(monkeypatch, dtype, seqlen_q, seqlen_new, nheads, nheads_k, head_dim,
+                                          capacity, options):
+    """flash_attn_with_kvcache on the Hopper forward (a few rows with GQA: the groups packed as rows, the tile
+    threshold lifted; a prefill chunk: the dense tiles), over caches whose free slots hold NaN: the kernel
+    reads whole key blocks past each sequence's length and must zero those values. Per sequence against
+    float64 attention over its used keys."""
+    monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
+    spy = _HopperForwardSpy(monkeypatch)
+    batch = 3
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k_cache, v_cache = (randn(batch, capacity, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    k_new, v_new = (randn(batch, seqlen_new, nheads_k, head_dim, dtype=dtype) if seqlen_new else None
+                    for _ in range(2))
+    # Used lengths ending inside a key block, on a block edge, and the whole cache.
+    lengths = [capacity - seqlen_new - 77, 128 * 3 - seqlen_new, capacity - seqlen_new]
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    for b, n in enumerate(lengths):
+        k_cache[b, n + seqlen_new:] = float("nan")
+        v_cache[b, n + seqlen_new:] = float("nan")
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=cache_seqlens,
+                                                 return_softmax_lse=True, num_splits=1, **options)
+    assert spy.groups == [nheads // nheads_k if seqlen_q <= DECODE_ROUTE_MAX_ROWS else 1], spy.groups
+    for b, n in enumerate(lengths):
+        _check_sequence(out[b:b + 1], lse[b], q[b:b + 1], k_cache[b:b + 1, :n + seqlen_new],
+                        v_cache[b:b + 1, :n + seqlen_new], causal=options["causal"],
+                        window_size=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+@pytest.mark.parametrize("nheads, nheads_k, lengths_q, options", [
+    (16, 4, [300, 1, 129, 64], dict(causal=True)),  # the dense tiles
+    (32, 8, [33, 17, 64, 40], dict(causal=False)),  # GQA groups packed as rows
+])
+def test_varlen_seqused_k_on_hopper_over_nan_slots(monkeypatch, nheads, nheads_k, lengths_q, options):
+    """flash_attn_varlen_func with seqused_k: the Hopper forward, the keys past each sequence's used ones
+    NaN (the backward runs on the portable kernels, which do not read them)."""
+    monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
+    spy = _HopperForwardSpy(monkeypatch)
+    lengths_k, used = [1500, 700, 2048, 400], [1400, 1, 2048, 257]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, nheads, nheads_k, torch.bfloat16, 128)
+    for i, n in enumerate(used):
+        k[int(cu_k[i]) + n:int(cu_k[i + 1])] = float("nan")
+        v[int(cu_k[i]) + n:int(cu_k[i + 1])] = float("nan")
+    seqused_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   seqused_k=seqused_k, return_attn_probs=True, **options)
+    assert spy.groups == [1 if max(lengths_q) > DECODE_ROUTE_MAX_ROWS else nheads // nheads_k], spy.groups
+    for i, n in enumerate(used):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i]) + n)
+        _check_sequence(out[qs][None], lse[:, qs], q[qs][None], k[ks][None], v[ks][None], **options)
 
 
 @pytest.mark.parametrize("lengths_q", [[1, 1, 1], [1, 0, 1], [4, 1, 3], [20, 0, 33]])

@@ -28,6 +28,11 @@ computed but not stored: a sequence's last, ragged 64-row tile is stored from re
 mask (a TMA box would overwrite the next sequence's rows), every other tile by TMA. The dense
 path compiles to the same code as without varlen (all of it sits behind the constexpr).
 
+seqused_k (varlen, or a dense kv cache (b, capacity, hk, d)): a sequence's slots past its used keys may
+hold anything, NaN included, and 0 * NaN is NaN. Their scores are masked by a select, so K needs nothing;
+the loader zeroes V's rows past the end in the one block that crosses it, between that block's TMA and
+its ready barrier (_load_v_upto). Without seqused_k the kernel compiles to the same code.
+
 Packed GQA rows (QUERY_GROUP = g > 1, a decode-shaped call of a few query rows per sequence): each kv
 head's group of g query heads are the rows of its tiles (row r of kv head hk is query head hk * g + r % g
 at position r // g), so one tile's K/V blocks serve the whole group. The kernel sees hk "heads" of s * g
@@ -57,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ...triton_compat import reinterpret, tma_load, tma_store
+from ...triton_compat import barrier, reinterpret, tma_load, tma_store
 from .block_info import key_blocks
 from .scores import (LN2, LOG2E, alibi_slope_log2, attn_bias_head, attn_bias_log2, attn_bias_rows, attn_bias_tile,
                      modded_scores_log2, relative_bias_far_entry, relative_bias_log2, relative_bias_row)
@@ -131,12 +136,14 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                 v_empty, tma_batch, q_row, k_start, head, kv_head, n_total, kv0, q_phase, reverse,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                 PERSISTENT: gl.constexpr, bias_desc=None, bias_smem=None, bias_origin=None,
-                QUERY_GROUP: gl.constexpr = 1):
+                QUERY_GROUP: gl.constexpr = 1, v_fix=None, key_end=0):
     """Q of one tile, then its n_total K/V blocks. kv0: K/V blocks this CTA loaded before (the ring
     position); q_phase: tiles before, mod 2 (persistent CTAs wait until the consumers released the
     previous tile's Q); reverse: see _chunk_start. With bias_desc, each K slot also takes every
     consumer's (64 rows x key block) tile of attn_bias into bias_smem (see the kernel); bias_origin: the
-    bias's (batch, head, query, key) coordinates of the tile's first row and first block."""
+    bias's (batch, head, query, key) coordinates of the tile's first row and first block.
+    v_fix (a barrier; one tile per CTA): the rows of V at key_end (a key coordinate) and past it may hold
+    anything (seqused_k: a kv cache's free slots) and are zeroed in the block that crosses it (_load_v_upto)."""
     BIAS_RING: gl.constexpr = bias_desc is not None
     if BIAS_RING:
         k_bytes: gl.constexpr = k_desc.block_type.nbytes + NUM_CONSUMERS * bias_desc.block_type.nbytes
@@ -169,20 +176,56 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                                      bias_n + jj * BLOCK_N], k_ready.index(stage),
                          bias_smem.index(c * NUM_STAGES + stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
-                                        v_ready.index(stage), v_smem.index(stage))
+        if v_fix is not None:
+            if key_end - (k_start + jj * BLOCK_N) < BLOCK_N:
+                _load_v_upto(v_desc, v_smem.index(stage), v_fix, v_ready.index(stage),
+                             [tma_batch, k_start + jj * BLOCK_N, kv_head, 0], key_end - (k_start + jj * BLOCK_N))
+            else:
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0], v_ready.index(stage),
+                         v_smem.index(stage))
+        else:
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
+                                            v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _load_v_upto(v_desc, v_buf, v_fix, v_ready, coords, used_rows):
+    """One V block of which only the first used_rows rows may be read: the loader waits for its TMA
+    (on v_fix), zeroes the other rows and then marks the slot ready. Their probabilities are 0, but
+    0 * NaN is NaN, and K's rows there need nothing (their scores are masked by a select)."""
+    BLOCK_N: gl.constexpr = v_buf.shape[1]
+    V_DIM: gl.constexpr = v_buf.shape[3]
+    mbarrier.expect(v_fix, v_desc.block_type.nbytes)
+    tma_load(v_desc, coords, v_fix, v_buf)
+    mbarrier.wait(v_fix, 0)
+    tile = v_buf.reshape([BLOCK_N, V_DIM])
+    # 8 rows x 64 columns at a time (a swizzle atom's rows, one 128-byte swizzle span): 16 values a thread.
+    chunk_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, chunk_layout))
+    for r0 in gl.static_range(0, BLOCK_N, 8):
+        if r0 + 8 > used_rows:
+            for c0 in gl.static_range(0, V_DIM, 64):
+                chunk = tile.slice(r0, 8, dim=0).slice(c0, 64, dim=1)
+                values = chunk.load(chunk_layout)
+                chunk.store(gl.where(gl.expand_dims(rows + r0 < used_rows, 1), values, gl.zeros_like(values)))
+    # The stores reach the wgmmas (the async proxy) before the slot is marked ready.
+    fence_async_shared()
+    barrier()
+    mbarrier.arrive(v_ready)
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-            cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
+            v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group, n_batch,
             heads_per_group, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
             IS_VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, QUERY_GROUP: gl.constexpr,
             bias_desc=None, bias_smem=None, bias_batches=1, bias_heads=1):
     # bias_desc: attn_bias's tiles come through the K ring (_load_tiles); bias_batches, bias_heads: its batch
-    # and head dims (1 where it broadcasts).
+    # and head dims (1 where it broadcasts). v_fix: with seqused_k, the barrier _load_v_upto waits on (one
+    # tile per CTA: the host keeps such calls off the persistent grid).
     if PERSISTENT:
         kv0 = 0
         tile_iter = 0
@@ -210,18 +253,21 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                                             CAUSAL, LOCAL, seqused_q is not None, QUERY_GROUP)
         # A window's tile starts at its first visible key block.
         first_key = n_first * BLOCK_N
+        # Key blocks running past the sequence read the next one's keys (varlen), or past the tensor TMA's
+        # zeros (masked by the consumers); past seqused_k, a cache's free slots: V's are zeroed.
+        v_tail = v_fix if seqused_k is not None else None
         if IS_VARLEN:
-            # Key blocks running past the sequence read the next one's keys (masked by the consumers).
             if valid:
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, 0, q_start + start_m, k_start + first_key, head, kv_head,
                             n_total - n_first, 0, 0, False, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc,
-                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP)
+                            bias_smem, (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP,
+                            v_tail, k_start + seqlen_k)
         else:
             _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                         v_ready, v_empty, batch, start_m, first_key, head, kv_head, n_total - n_first, 0, 0, False,
                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc, bias_smem,
-                        (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP)
+                        (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP, v_tail, seqlen_k)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1102,6 +1148,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
+    if seqused_k is not None:
+        v_fix = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        mbarrier.init(v_fix, count=1)
+    else:
+        v_fix = v_ready  # unused (warp_specialize's arguments cannot be None)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -1128,7 +1179,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
                        bias_smem, bias_batches, bias_heads)),
@@ -1156,7 +1207,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
                        bias_smem, bias_batches, bias_heads)),
@@ -1194,7 +1245,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
                        bias_smem, bias_batches, bias_heads)),
@@ -1243,7 +1294,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          ROW_SUM_MMA,
                          TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
+                       v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
                        bias_smem, bias_batches, bias_heads)),

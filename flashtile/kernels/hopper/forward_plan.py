@@ -38,8 +38,9 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
     seqused[b] of its rows / keys; its rows past seqused_q[b] get out 0 and lse -inf (like rows that
     see no key). max_seqlen_q (host int, at least the longest cu_seqlens_q span) sizes the grid;
     None reads it from cu_seqlens_q (a device sync). Causal is bottom-right aligned per sequence.
-    Keys and values past a sequence's used keys (the next sequence's, or unused slots) are read and
-    masked out; they must be finite (a NaN value times probability 0 is still NaN). See supported()."""
+    Dense with seqused_k (a kv cache: k, v (b, capacity, hk, d)): batch b uses its first seqused_k[b] keys.
+    Keys past a sequence's end are read and masked out; the values past seqused_k are zeroed in shared
+    memory first (they may hold anything: NaN times probability 0 is still NaN). See supported()."""
     _launch(q, k, v, out, lse, softmax_scale, causal, config, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, **options)
 
@@ -172,12 +173,14 @@ class ForwardPlan:
             out_strides = (out.stride(1), out.stride(2))
             persistent = False
         else:
-            assert cu_seqlens_k is None and seqused_q is None and seqused_k is None
+            assert cu_seqlens_k is None and seqused_q is None
+            assert seqused_k is None or (seqused_k.dtype == torch.int32 and seqused_k.numel() == batch)
             # Query blocks of one head are adjacent in launch order so they share K/V in L2.
             grid = (triton.cdiv(seqlen_q, cfg.block_m), nheads, batch)
             lse_strides = (lse.stride(0), lse.stride(1))
             out_strides = (None, None)
-            persistent = cfg.persistent
+            # The persistent loop reads no seqused_k (the loader zeroes V past it once per CTA).
+            persistent = cfg.persistent and seqused_k is None
         # Causal per-tile grids (dense) take their tiles longest first, a group of heads at a time
         # (tile_order.py); None: one head after another (no remap compiled in).
         group = None

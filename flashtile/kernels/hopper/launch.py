@@ -28,20 +28,19 @@ class GluonForward:
 
     def __init__(self, q, k, v, out, lse, params: ScoreParams, cfg, seqs: Optional[PackedSeqs] = None,
                  query_group: int = 1):
-        self.plan = ForwardPlan(q, k, v, out, lse if seqs is None else lse[0], params.softmax_scale, params.causal,
-                                cfg, max_seqlen_q=None if seqs is None else seqs.max_seqlen_q,
+        # seqs without prefix sums: a dense batch whose keys are a kv cache's rows, seqused_k of them in use.
+        self.varlen = seqs is not None and seqs.cu_seqlens_q is not None
+        self.plan = ForwardPlan(q, k, v, out, lse[0] if self.varlen else lse, params.softmax_scale, params.causal,
+                                cfg, max_seqlen_q=seqs.max_seqlen_q if self.varlen else None,
                                 softcap=params.softcap, window_left=params.window_left,
                                 window_right=params.window_right, alibi_slopes=params.alibi_slopes,
                                 learnable_sink=params.learnable_sink, rel_bias_table=_rel_bias_table(params),
-                                query_group=query_group, **_attn_bias(params), **gluon_seq_tensors(seqs))
+                                query_group=query_group, **_attn_bias(params), **forward_seq_tensors(seqs))
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         tensors = dict(alibi_slopes=params.alibi_slopes, learnable_sink=params.learnable_sink,
                        rel_bias_table=_rel_bias_table(params), attn_bias=_attn_bias(params).get("attn_bias"))
-        if seqs is None:
-            self.plan(q, k, v, out, lse, **tensors)
-        else:
-            self.plan(q, k, v, out, lse[0], **tensors, **gluon_seq_tensors(seqs))
+        self.plan(q, k, v, out, lse[0] if self.varlen else lse, **tensors, **forward_seq_tensors(seqs))
 
 
 def _rel_bias_table(params: ScoreParams):
@@ -152,3 +151,8 @@ def gluon_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:
     if seqs is None:
         return {}
     return dict(cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_k=seqs.cu_seqlens_k, seqused_q=seqs.seqused_q)
+
+
+def forward_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:
+    """The packed-batch (or kv-cache) keyword arguments of forward_plan.ForwardPlan."""
+    return {} if seqs is None else dict(gluon_seq_tensors(seqs), seqused_k=seqs.seqused_k)

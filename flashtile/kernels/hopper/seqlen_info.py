@@ -16,7 +16,8 @@ def forward_tile(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seq
     rows_end, valid). start_m is relative to its sequence, whose rows start at q_start and keys at
     k_start; seqlen_q / seqlen_k are the rows / keys the sequence uses, rows_end its rows (>= seqlen_q,
     the rows past seqlen_q get out 0 and lse -inf); valid: the tile starts inside the sequence.
-    Dense: batch is the TMA batch coordinate and every offset is 0. Varlen: the sequences are packed
+    Dense: batch is the TMA batch coordinate and every offset is 0 (with seqused_k, batch b uses its
+    first seqused_k[b] keys). Varlen: the sequences are packed
     along a batch-1 tensor, batch is the sequence, the TMA batch coordinate is 0.
     Causal: the longest tiles (the most key blocks) launch first; dense grids with heads_per_group
     (not None) go through groups of that many (batch, head) pairs (tile_order.py).
@@ -57,6 +58,8 @@ def forward_tile(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seq
         k_start = 0
         rows_end = seqlen_q
         valid = True
+        if seqused_k is not None:  # a kv cache's rows, seqused_k of them in use
+            seqlen_k = gl.load(seqused_k + batch)
     return start_m, head, head // head_group, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid
 
 
