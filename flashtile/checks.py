@@ -156,6 +156,14 @@ def _check_index_tensor(t, name: str, length: int, device: torch.device, what: s
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({length},) ({what})")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    check_unit_stride(t, name)
+
+
+def check_unit_stride(t: torch.Tensor, name: str) -> None:
+    """Raise unless the 1-D index tensor ``t`` is contiguous: the kernels read entry b at pointer + b."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (the kernels read entry b at offset b), got stride "
+                         f"{t.stride(0)}; pass {name}.contiguous()")
 
 
 def _check_length(value, name: str) -> None:

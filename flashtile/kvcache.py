@@ -56,6 +56,7 @@ def _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                              f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+        checks.check_unit_stride(cache_seqlens, "cache_seqlens")
     elif cache_seqlens is not None and (not isinstance(cache_seqlens, int) or cache_seqlens < 0):
         raise TypeError(f"cache_seqlens must be an int >= 0, an int32 tensor or None, got {cache_seqlens!r}")
     if cache_batch_idx is not None:
@@ -64,6 +65,7 @@ def _check_cache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         if cache_batch_idx.dtype != torch.int32 or tuple(cache_batch_idx.shape) != (batch,):
             raise ValueError(f"cache_batch_idx must be an int32 tensor of shape ({batch},), got "
                              f"{cache_batch_idx.dtype} {tuple(cache_batch_idx.shape)}")
+        checks.check_unit_stride(cache_batch_idx, "cache_batch_idx")
     if block_table is None and cache_batch_idx is None and k_cache.shape[0] < batch:
         raise ValueError(f"k_cache has {k_cache.shape[0]} rows but q has batch {batch}: pass cache_batch_idx "
                          "or a cache with a row per sequence")
@@ -140,6 +142,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if (not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32
                 or tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device):
             raise ValueError(f"cache_leftpad must be an int32 tensor of shape ({batch},) on {q.device}")
+        checks.check_unit_stride(cache_leftpad, "cache_leftpad")
     if learnable_sink is not None:
         sinks.check_learnable_sink(learnable_sink, nheads, q.device)
     if not isinstance(num_splits, int) or num_splits < 0:

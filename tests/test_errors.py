@@ -145,6 +145,8 @@ def test_varlen_bad_cu_seqlens():
             seqused_k=torch.ones(3, device=DEVICE))
     _raises(ValueError, "seqused_q has shape \\(2,\\); expected \\(3,\\)", flash_attn_varlen_func, q, k, v,
             cu, cu, n, n, seqused_q=torch.ones(2, dtype=torch.int32, device=DEVICE))
+    _raises(ValueError, "seqused_k must be contiguous", flash_attn_varlen_func, q, k, v, cu, cu, n, n,
+            seqused_k=torch.ones(3, 2, dtype=torch.int32, device=DEVICE)[:, 0])
     other = "meta" if not ON_GPU else "cpu"
     _raises(ValueError, "cu_seqlens_q is on", flash_attn_varlen_func, q, k, v, cu.to(other), cu, n, n)
 

@@ -238,6 +238,10 @@ def test_kvcache_bad_input_leaves_the_cache_untouched():
                                     cache_leftpad=full)
     with pytest.raises(ValueError, match="cache_leftpad must be an int32 tensor"):
         flash_attn_with_kvcache(q, k_cache, k_cache, cache_leftpad=full.long())
+    strided = torch.tensor([[1, 0], [2, 0]], dtype=torch.int32, device=DEVICE)[:, 0]  # read at b, not 2 b
+    for name in ("cache_seqlens", "cache_batch_idx", "cache_leftpad"):
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            flash_attn_with_kvcache(q, k_cache, k_cache, **{"cache_seqlens": 2, name: strided})
     with pytest.raises(ValueError, match="rotary_dim = 2 \\* rotary_cos.shape\\[1\\]"):
         cos = torch.ones(16, HEAD_DIM, device=DEVICE)
         flash_attn_with_kvcache(q, k_cache, k_cache, rotary_cos=cos, rotary_sin=cos)
