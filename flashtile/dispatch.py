@@ -148,6 +148,9 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
     # A kv cache's dense rows (no prefix sums on either side, seqused_k) run on the forward.
     cache_rows = (kernel == FWD_GLUON and seqs is not None and seqs.cu_seqlens_q is None
                   and seqs.cu_seqlens_k is None and seqs.seqused_k is not None and seqs.seqused_q is None)
+    if cache_rows and (params.alibi_slopes is not None or params.mods is not None):
+        # Verified on the GPU without them; with them the cache's step keeps the portable kernels.
+        return None, "a kv cache's rows with ALiBi or mods: the portable kernels"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None) and not cache_rows:
         return None, "a side without cu_seqlens (the decode layout): the Hopper kernels read packed sequences only"
     if seqs is not None and seqs.key_shift is not None:
