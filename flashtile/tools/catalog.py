@@ -104,13 +104,15 @@ def gluon_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig, s
     return capture(lambda: GluonForward(q, k, v, out, lse, params, cfg, seqs)(q, k, v, out, lse, params, seqs))
 
 
-def gluon_packed_gqa_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig):
+def gluon_packed_gqa_forward(q, k, v, out, lse, params: ScoreParams, cfg: GluonFwdConfig,
+                             seqs: Optional[PackedSeqs] = None):
     """The Hopper forward's launch for a decode-shaped GQA call, the groups' heads packed as rows
-    (dispatch.packed_gqa_on_hopper)."""
+    (dispatch.packed_gqa_on_hopper); seqs: a kv cache's rows with seqused_k (KVCacheStep), or None."""
     from ..kernels.hopper.launch import GluonForward
 
     group = q.shape[2] // k.shape[2]
-    return capture(lambda: GluonForward(q, k, v, out, lse, params, cfg, query_group=group)(q, k, v, out, lse, params))
+    return capture(lambda: GluonForward(q, k, v, out, lse, params, cfg, seqs, query_group=group)(
+        q, k, v, out, lse, params, seqs))
 
 
 def portable_forward(q, k, v, out, lse, params: ScoreParams, cfg: KernelConfig, seqs: Optional[PackedSeqs] = None):
@@ -388,7 +390,7 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     table, at head dim 128 four with an attn_bias (dispatch.hopper_takes: through the ring, its tiles loaded,
     one row loaded, and with softcap, which the bias follows), and
     from head dim 128 a dense batch whose values have half the head dim (head_dim_v != head_dim_qk), and
-    decode-shaped GQA rows packed into tiles."""
+    decode-shaped GQA rows packed into tiles (at head dim 128 over a kv cache's rows with seqused_k too)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
     out, lse = torch.empty_like(q), _empty(2, h, 1024, dtype=torch.float32)
@@ -415,6 +417,9 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     qg, kg = _empty(2, 32, 8, d, dtype=dtype), _empty(2, 4096, 2, d, dtype=dtype)
     outg, lseg = torch.empty_like(qg), _empty(2, 8, 32, dtype=torch.float32)
     builds.append(("packed-gqa", lambda: gluon_packed_gqa_forward(qg, kg, kg, outg, lseg, params, cfg)))
+    if d == 128:  # the same rows over a kv cache, seqused_k of its rows in use (the loader zeroes V past them)
+        cache_rows = PackedSeqs(None, None, 32, 4096, seqused_k=_ints([4000, 1000]))
+        builds.append(("kv-cache", lambda: gluon_packed_gqa_forward(qg, kg, kg, outg, lseg, params, cfg, cache_rows)))
     return builds
 
 
