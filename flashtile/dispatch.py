@@ -867,10 +867,7 @@ class KVCacheStep:
         packed_cfg = None if self.rows_from_heads or self.read_through_table or q.shape[1] > DECODE_ROUTE_MAX_ROWS \
             else packed_gqa_on_hopper(q, k_cache, v_cache, out, lse, params, seqs)
         if packed_cfg is not None:
-            from .kernels.hopper.launch import GluonForward
-
-            self.forward = GluonForward(q, k_cache, v_cache, out, lse, params, packed_cfg, seqs,
-                                        query_group=q.shape[2] // k_cache.shape[2])
+            self.forward = _packed_gqa_plan(q, k_cache, v_cache, out, lse, params, seqs, packed_cfg)
             self.forward(q, k_cache, v_cache, out, lse, params, seqs)
             return out, lse
         q_rows, out_rows, lse_rows = heads_as_rows(q, out, lse, k_cache.shape[2]) if self.rows_from_heads \
@@ -881,6 +878,17 @@ class KVCacheStep:
         else:
             self.forward = attention_forward(q_rows, k_cache, v_cache, out_rows, lse_rows, params, seqs)
         return out, lse
+
+
+def _packed_gqa_plan(q, k, v, out, lse, params: ScoreParams, seqs: PackedSeqs, cfg) -> Callable:
+    """The Hopper forward of a kv-cache step with its GQA groups packed as rows, from the plan cache: a step
+    made per call (the op under torch.compile) builds no new plan."""
+    from .kernels.hopper.launch import GluonForward
+
+    def make():
+        return GluonForward(q, k, v, out, lse, params, cfg, seqs, query_group=q.shape[2] // k.shape[2])
+    key = _plan_key(params, seqs, q, k, v, out, lse)
+    return make() if key is None else _FORWARD_PLANS.get_or_make(("packed-gqa", cfg, *key), make)
 
 
 def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
