@@ -143,8 +143,6 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         return None, (f"v has head dim {v.shape[-1]} and q has {q.shape[-1]}: the Hopper backward takes a value head "
                       "dim of its own no wider than q's tiles with q, k head dims up to 128, and of 65 or more with "
                       "q, k head dims above 128 (the portable one takes any)")
-    if seqs is not None and seqs.paged:
-        return None, "paged KV (block_table): the Hopper kernels do not read paged caches"
     # A kv cache's dense rows (no prefix sums on either side, seqused_k) run on the forward.
     cache_rows = (kernel == FWD_GLUON and seqs is not None and seqs.cu_seqlens_q is None
                   and seqs.cu_seqlens_k is None and seqs.seqused_k is not None and seqs.seqused_q is None)
@@ -153,8 +151,6 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         return None, "a kv cache's rows with ALiBi or mods: the portable kernels"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None) and not cache_rows:
         return None, "a side without cu_seqlens (the decode layout): the Hopper kernels read packed sequences only"
-    if seqs is not None and seqs.key_shift is not None:
-        return None, "cache_leftpad is set: the Hopper forward reads each sequence's keys from its first row"
     if seqs is not None and kernel == BWD_GLUON and (seqs.seqused_k is not None or seqs.seqused_q is not None):
         # The Gluon backward reads whole tiles past a sequence's end and masks them; slots past
         # seqused may hold anything, and it adds them into dK and dV (P^T dO, dS^T Q with a zero P,
@@ -163,7 +159,7 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         used = "seqused_k" if seqs.seqused_k is not None else "seqused_q"
         return None, (f"{used} is set: the Hopper backward reads whole tiles past each sequence's used tokens, "
                       "which may hold anything")
-    tensors_reason = qkv_unsupported(q, k, v)
+    tensors_reason = qkv_unsupported(q, k, v, paged=seqs is not None and seqs.paged)
     if tensors_reason is not None:
         return None, tensors_reason
     portable = (FWD, FWD_DECODE, FWD_DECODE_PACKED) if kernel == FWD_GLUON else (BWD_DKDV, BWD_DQ)
@@ -184,6 +180,10 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         layout = "packed" if seqs is not None else "dense"
         return None, (f"the {arch} config table has no Hopper {direction} for head dim {q.shape[-1]}, {mask}, "
                       f"{max_seqlen_k} keys, {layout} batches: the portable kernels serve these")
+    if seqs is not None and seqs.paged and not pages_fit(seqs, k, cfg.block_n):  # (paged calls have no backward)
+        return None, (f"paged KV (block_table) with pages of {k.shape[1]} keys: the Hopper forward reads whole "
+                      f"{cfg.block_n}-key blocks, so it takes pages of a multiple of {cfg.block_n} keys (or one page "
+                      "per sequence)")
     available, why = hopper_status.gluon_status()
     if not available:
         if warn:
@@ -191,6 +191,15 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         return None, f"the Gluon kernels are unavailable on Triton {triton.__version__}: {why}"
     return cfg, (f"{arch}, {str(q.dtype).replace('torch.', '')}, head dim {q.shape[-1]}, {mask} attention: "
                  f"the Hopper Gluon {direction}")
+
+
+def pages_fit(seqs: Optional[PackedSeqs], k, block_n: int) -> bool:
+    """Whether the Hopper forward reads this call's keys in block_n-key blocks: no table of pages, or pages of a
+    multiple of block_n keys (a block never spans two; k is then the paged cache), or one page per sequence (a
+    contiguous cache's rows, picked by cache_batch_idx or left-padded)."""
+    if seqs is None or not seqs.paged:
+        return True
+    return seqs.block_table.shape[1] == 1 or (k.shape[1] % block_n == 0 and seqs.key_shift is None)
 
 
 def _table_mask(params: ScoreParams, max_seqlen_k: int) -> Tuple[bool, int]:
@@ -354,11 +363,11 @@ def packed_gqa_tiles(q, k, out, lse, params: ScoreParams, seqs: Optional[PackedS
     DECODE_PACKED_MAX_ROWS rows per kv head and at least one whole tile, with no per-head options (ALiBi,
     sinks, mods) and contiguous out (TMA-aligned) and lse (None: not known yet, flashtile.explain). Packed
     batches count the grid's tiles (every sequence as long as the longest) and need both prefix sums (or
-    neither: a kv cache's rows with seqused_k), no seqused_q and no pages. The default block_m asks only
-    whether the call qualifies before a config is looked up."""
+    neither: a kv cache's rows with seqused_k) and no seqused_q; pages must fit the config's key blocks
+    (pages_fit). The default block_m asks only whether the call qualifies before a config is looked up."""
     if any(t is not None and not t.is_contiguous() for t in (out, lse)) or (out is not None and not tma_aligned(out)):
         return 0
-    if seqs is not None and (seqs.seqused_q is not None or seqs.paged or seqs.key_shift is not None
+    if seqs is not None and (seqs.seqused_q is not None
                              or (seqs.cu_seqlens_q is None) != (seqs.cu_seqlens_k is None)
                              or (seqs.cu_seqlens_q is None and seqs.seqused_k is None)):
         return 0
@@ -386,6 +395,8 @@ def packed_gqa_on_hopper(q, k, v, out, lse, params: ScoreParams, seqs: Optional[
     if cfg is None:
         return None
     cfg = packed_gqa_config(arch_of(q.device), padded_head_dim(q.shape[-1]), cfg)
+    if not pages_fit(seqs, k, cfg.block_n):
+        return None
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     tiles = packed_gqa_tiles(q, k, out, lse, params, seqs, cfg.block_m)
     return cfg if tiles > 0 and tiles >= PACKED_GQA_HOPPER_TILES_PER_SM * multiprocessor_count(device) else None
@@ -864,7 +875,7 @@ class KVCacheStep:
             return out, lse
         # A few query rows per sequence with GQA, their groups packing whole tiles (packed_gqa_on_hopper): the
         # Hopper forward, which zeroes the values past each sequence's cache length.
-        packed_cfg = None if self.rows_from_heads or self.read_through_table or q.shape[1] > DECODE_ROUTE_MAX_ROWS \
+        packed_cfg = None if self.rows_from_heads or q.shape[1] > DECODE_ROUTE_MAX_ROWS \
             else packed_gqa_on_hopper(q, k_cache, v_cache, out, lse, params, seqs)
         if packed_cfg is not None:
             self.forward = _packed_gqa_plan(q, k_cache, v_cache, out, lse, params, seqs, packed_cfg)

@@ -247,6 +247,118 @@ def test_kvcache_on_hopper_over_nan_slots(monkeypatch, dtype, seqlen_q, seqlen_n
                         window_size=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0))
 
 
+def _cache_through_table(layout, batch, capacity, nheads_k, head_dim, dtype, page_size=256):
+    """(k_cache, v_cache, the keyword arguments that address them, rows): a kv cache of NaN through a table,
+    whose sequence b's key slots are rows(b) (the (page, row) pairs, or (cache row, position) ones). layout:
+    "paged" (shuffled pages of page_size keys, spare pages between), "batch_idx" (contiguous rows picked by
+    cache_batch_idx) or "leftpad" (contiguous rows, each sequence's keys from cache_leftpad on)."""
+    if layout == "paged":
+        pages = capacity // page_size
+        k_cache, v_cache = (torch.full((batch * pages + 5, page_size, nheads_k, head_dim), float("nan"), dtype=dtype,
+                                       device=DEVICE) for _ in range(2))
+        table = torch.randperm(batch * pages + 5, device=DEVICE)[:batch * pages].view(batch, pages).int()
+        return k_cache, v_cache, dict(block_table=table), \
+            lambda b, t: (table[b, t // page_size].item(), t % page_size)
+    k_cache, v_cache = (torch.full((batch + 2, capacity, nheads_k, head_dim), float("nan"), dtype=dtype,
+                                   device=DEVICE) for _ in range(2))
+    if layout == "batch_idx":
+        rows = torch.tensor([3, 0, 4][:batch], dtype=torch.int32, device=DEVICE)
+        return k_cache, v_cache, dict(cache_batch_idx=rows), lambda b, t: (rows[b].item(), t)
+    pads = torch.tensor([5, 130, 0][:batch], dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, dict(cache_leftpad=pads), lambda b, t: (b, t)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+@pytest.mark.parametrize("layout, seqlen_q, seqlen_new, nheads, nheads_k, head_dim, options", [
+    ("paged", 32, 32, 32, 8, 128, dict(causal=True)),
+    ("paged", 64, 0, 8, 1, 64, dict(causal=False)),
+    ("paged", 200, 200, 8, 2, 128, dict(causal=True)),  # a prefill chunk: a tile per query head
+    ("batch_idx", 17, 17, 8, 1, 128, dict(causal=True)),
+    ("batch_idx", 40, 0, 16, 4, 256, dict(causal=True, window_size=(300, 0), softcap=30.0)),
+    ("leftpad", 32, 0, 32, 8, 128, dict(causal=True)),
+    ("leftpad", 150, 150, 16, 2, 96, dict(causal=False)),
+])
+def test_kvcache_tables_on_hopper_over_nan_slots(monkeypatch, layout, seqlen_q, seqlen_new, nheads, nheads_k,
+                                                 head_dim, options):
+    """flash_attn_with_kvcache on the Hopper forward through a table: pages of 256 keys, the rows picked by
+    cache_batch_idx, or left-padded rows. Every slot the sequences do not use holds NaN (the padding, spare
+    pages, the tail past each length). Per sequence against float64 attention over its keys."""
+    monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
+    spy = _HopperForwardSpy(monkeypatch)
+    batch, capacity = 3, 2048
+    k_cache, v_cache, table, slot = _cache_through_table(layout, batch, capacity, nheads_k, head_dim,
+                                                         torch.bfloat16)
+    pads = table["cache_leftpad"].tolist() if layout == "leftpad" else [0] * batch
+    # Ends inside a key block, on a block edge, and at the capacity.
+    ends = [capacity - seqlen_new - 77, 128 * 3 - seqlen_new, capacity - seqlen_new]
+    for b in range(batch):
+        for t in range(pads[b], ends[b]):
+            page, row = slot(b, t)
+            k_cache[page, row] = randn(nheads_k, head_dim, dtype=torch.bfloat16)
+            v_cache[page, row] = randn(nheads_k, head_dim, dtype=torch.bfloat16)
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=torch.bfloat16)
+    k_new, v_new = (randn(batch, seqlen_new, nheads_k, head_dim, dtype=torch.bfloat16) if seqlen_new else None
+                    for _ in range(2))
+    cache_seqlens = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=cache_seqlens,
+                                                 return_softmax_lse=True, num_splits=1, **table, **options)
+    assert spy.groups == [nheads // nheads_k if seqlen_q <= DECODE_ROUTE_MAX_ROWS else 1], spy.groups
+    for b in range(batch):
+        slots = [slot(b, t) for t in range(pads[b], ends[b] + seqlen_new)]
+        pages, rows = (torch.tensor(i, device=DEVICE) for i in zip(*slots))
+        _check_sequence(out[b:b + 1], lse[b], q[b:b + 1], k_cache[pages, rows][None], v_cache[pages, rows][None],
+                        causal=options["causal"], window_size=options.get("window_size", (-1, -1)),
+                        softcap=options.get("softcap", 0.0))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+@pytest.mark.parametrize("lengths_q, options", [([300, 1, 129, 64], dict(causal=True)),
+                                                ([33, 17, 64, 40], dict(causal=False))])
+def test_varlen_paged_on_hopper_over_nan_slots(monkeypatch, lengths_q, options):
+    """flash_attn_varlen_func over pages of 256 keys (cu_seqlens_k counts each sequence's keys): the Hopper
+    forward's dense tiles (paged calls are not on the decode route), every slot past a sequence's keys NaN (its
+    last page's tail, spare pages)."""
+    monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
+    spy = _HopperForwardSpy(monkeypatch)
+    lengths_k = [1500, 700, 2048, 257]
+    k_cache, v_cache, table, slot = _cache_through_table("paged", 4, 2048, 8, 128, torch.bfloat16)
+    q, _, _, cu_q, cu_k = _packed(lengths_q, lengths_k, 32, 8, torch.bfloat16, 128)
+    for b, n in enumerate(lengths_k):
+        for t in range(n):
+            page, row = slot(b, t)
+            k_cache[page, row] = randn(8, 128, dtype=torch.bfloat16)
+            v_cache[page, row] = randn(8, 128, dtype=torch.bfloat16)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   return_attn_probs=True, **table, **options)
+    assert spy.groups == [1], spy.groups
+    for i, n in enumerate(lengths_k):
+        qs = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        pages, rows = (torch.tensor(x, device=DEVICE) for x in zip(*[slot(i, t) for t in range(n)]))
+        _check_sequence(out[qs][None], lse[:, qs], q[qs][None], k_cache[pages, rows][None],
+                        v_cache[pages, rows][None], **options)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
+def test_kvcache_pages_smaller_than_a_key_block_stay_portable(monkeypatch):
+    """Pages of 64 keys under the d128 forward's 128-key blocks: the portable kernels, and still right."""
+    monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
+    spy = _HopperForwardSpy(monkeypatch)
+    k_cache, v_cache, table, slot = _cache_through_table("paged", 2, 1024, 2, 128, torch.bfloat16, page_size=64)
+    k_cache.normal_()
+    v_cache.normal_()
+    q = randn(2, 32, 8, 128, dtype=torch.bfloat16)
+    cache_seqlens = torch.tensor([1000, 300], dtype=torch.int32, device=DEVICE)
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True, **table)
+    assert spy.groups == []
+    for b, n in enumerate(cache_seqlens.tolist()):
+        pages, rows = (torch.tensor(i, device=DEVICE) for i in zip(*[slot(b, t) for t in range(n)]))
+        ref, _ = attention_naive(q[b:b + 1], k_cache[pages, rows][None], v_cache[pages, rows][None], causal=True)
+        same_dtype, _ = attention_naive(q[b:b + 1], k_cache[pages, rows][None], v_cache[pages, rows][None],
+                                        causal=True, dtype=None)
+        err = (out[b:b + 1].double() - ref).abs().max().item()
+        assert err <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-4, err
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
 @pytest.mark.parametrize("nheads, nheads_k, lengths_q, options", [
     (16, 4, [300, 1, 129, 64], dict(causal=True)),  # the dense tiles

@@ -161,12 +161,16 @@ def test_explain_deterministic_moves_only_the_backward():
     assert explanation.backward.path == "portable" and "deterministic=True" in explanation.backward.reason
 
 
-def test_explain_paged_kv():
+@pytest.mark.parametrize("page_size, path", [(16, "portable"), (256, "hopper")])
+def test_explain_paged_kv(page_size, path):
+    """Pages of a multiple of the Hopper forward's key blocks are read there; smaller ones are not."""
     q, _, _, layout = _packed()
-    k_cache, v_cache = (torch.randn(6, 16, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.randn(6, page_size, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     block_table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     explanation = flashtile.explain(q, k_cache, v_cache, **layout, block_table=block_table, device_capability=SM90)
-    assert explanation.forward.path == "portable" and "block_table" in explanation.forward.reason
+    assert explanation.forward.path == path, explanation.forward.reason
+    if path == "portable":
+        assert f"pages of {page_size} keys" in explanation.forward.reason, explanation.forward.reason
     assert explanation.backward.path == "none"
 
 

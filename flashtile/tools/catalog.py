@@ -390,7 +390,8 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     table, at head dim 128 four with an attn_bias (dispatch.hopper_takes: through the ring, its tiles loaded,
     one row loaded, and with softcap, which the bias follows), and
     from head dim 128 a dense batch whose values have half the head dim (head_dim_v != head_dim_qk), and
-    decode-shaped GQA rows packed into tiles (at head dim 128 over a kv cache's rows with seqused_k too)."""
+    decode-shaped GQA rows packed into tiles (at head dim 128 also over a kv cache: its rows with seqused_k,
+    its pages, and a prefill chunk's dense tiles over left-padded rows)."""
     h = 2048 // d
     q = _empty(2, 1024, h, d, dtype=dtype)
     out, lse = torch.empty_like(q), _empty(2, h, 1024, dtype=torch.float32)
@@ -420,6 +421,18 @@ def gluon_fwd_builds(d: int, cfg, causal: bool, dtype) -> list:
     if d == 128:  # the same rows over a kv cache, seqused_k of its rows in use (the loader zeroes V past them)
         cache_rows = PackedSeqs(None, None, 32, 4096, seqused_k=_ints([4000, 1000]))
         builds.append(("kv-cache", lambda: gluon_packed_gqa_forward(qg, kg, kg, outg, lseg, params, cfg, cache_rows)))
+        # ... over a paged cache (pages of 256 keys), and a prefill chunk over left-padded rows (a table of one
+        # page per sequence, key_shift).
+        pages = _empty(40, 256, 2, d, dtype=dtype)
+        paged = PackedSeqs(None, None, 32, 4096, seqused_k=_ints([4000, 1000]),
+                           block_table=_ints([list(range(16)), list(range(20, 36))]))
+        builds.append(("kv-cache-paged", lambda: gluon_packed_gqa_forward(qg, pages, pages, outg, lseg, params, cfg,
+                                                                          paged)))
+        qc = _empty(2, 200, 8, d, dtype=dtype)
+        outc, lsec = torch.empty_like(qc), _empty(2, 8, 200, dtype=torch.float32)
+        padded = PackedSeqs(None, None, 200, 4096, seqused_k=_ints([3000, 900]), block_table=_ints([[1], [0]]),
+                            key_shift=_ints([7, 100]))
+        builds.append(("kv-cache-leftpad", lambda: gluon_forward(qc, kg, kg, outc, lsec, params, cfg, padded)))
     return builds
 
 

@@ -33,6 +33,12 @@ hold anything, NaN included, and 0 * NaN is NaN. Their scores are masked by a se
 the loader zeroes V's rows past the end in the one block that crosses it, between that block's TMA and
 its ready barrier (_load_v_upto). Without seqused_k the kernel compiles to the same code.
 
+A kv cache's pages (block_table): K and V are (num_pages, page_size, hk, d), and the loader finds each key
+block's page in the sequence's row of the table (_key_page) a block ahead, so the load hides behind a block.
+Pages hold a multiple of BLOCK_N keys, so no block spans two; or the table has one page per sequence (a
+contiguous cache whose rows cache_batch_idx picks, or left-padded: key_shift), whose blocks may start
+anywhere in it. The consumers see only the sequence's own key positions.
+
 Packed GQA rows (QUERY_GROUP = g > 1, a decode-shaped call of a few query rows per sequence): each kv
 head's group of g query heads are the rows of its tiles (row r of kv head hk is query head hk * g + r % g
 at position r // g), so one tile's K/V blocks serve the whole group. The kernel sees hk "heads" of s * g
@@ -136,14 +142,16 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
                 v_empty, tma_batch, q_row, k_start, head, kv_head, n_total, kv0, q_phase, reverse,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                 PERSISTENT: gl.constexpr, bias_desc=None, bias_smem=None, bias_origin=None,
-                QUERY_GROUP: gl.constexpr = 1, v_fix=None, key_end=0):
+                QUERY_GROUP: gl.constexpr = 1, v_fix=None, key_end=0, table_row=None, page_size=1):
     """Q of one tile, then its n_total K/V blocks. kv0: K/V blocks this CTA loaded before (the ring
     position); q_phase: tiles before, mod 2 (persistent CTAs wait until the consumers released the
     previous tile's Q); reverse: see _chunk_start. With bias_desc, each K slot also takes every
     consumer's (64 rows x key block) tile of attn_bias into bias_smem (see the kernel); bias_origin: the
     bias's (batch, head, query, key) coordinates of the tile's first row and first block.
     v_fix (a barrier; one tile per CTA): the rows of V at key_end (a key coordinate) and past it may hold
-    anything (seqused_k: a kv cache's free slots) and are zeroed in the block that crosses it (_load_v_upto)."""
+    anything (seqused_k: a kv cache's free slots) and are zeroed in the block that crosses it (_load_v_upto).
+    table_row (a pointer into a block table; None: K and V are read at [tma_batch, key]): key t lives at row
+    t % page_size of page table_row[t // page_size] (_key_page)."""
     BIAS_RING: gl.constexpr = bias_desc is not None
     if BIAS_RING:
         k_bytes: gl.constexpr = k_desc.block_type.nbytes + NUM_CONSUMERS * bias_desc.block_type.nbytes
@@ -160,15 +168,23 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
         else:
             tma_load(q_desc, [tma_batch, row, head, 0], q_ready.index(c), q_smem.index(c))
 
+    if table_row is not None:
+        next_page, next_row = _key_page(k_start, table_row, page_size)
     for jj in range(n_total):
         j = kv0 + jj
         stage = j % NUM_STAGES
+        if table_row is not None:
+            # Pages are looked up a block ahead: the table load's latency hides behind this block's waits.
+            page, row = next_page, next_row
+            next_page, next_row = _key_page(k_start + gl.minimum(jj + 1, n_total - 1) * BLOCK_N, table_row,
+                                            page_size)
+        else:
+            page, row = tma_batch, k_start + jj * BLOCK_N
         # Waiting on the opposite parity passes at once on a fresh barrier (first lap).
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), empty_phase)
         mbarrier.expect(k_ready.index(stage), k_bytes)
-        tma_load(k_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
-                                        k_ready.index(stage), k_smem.index(stage))
+        tma_load(k_desc, [page, row, kv_head, 0], k_ready.index(stage), k_smem.index(stage))
         if BIAS_RING:
             # TMA zero-fills rows and keys past the bias (their scores are discarded or masked).
             for c in gl.static_range(NUM_CONSUMERS):
@@ -178,16 +194,22 @@ def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty
         mbarrier.wait(v_empty.index(stage), empty_phase)
         if v_fix is not None:
             if key_end - (k_start + jj * BLOCK_N) < BLOCK_N:
-                _load_v_upto(v_desc, v_smem.index(stage), v_fix, v_ready.index(stage),
-                             [tma_batch, k_start + jj * BLOCK_N, kv_head, 0], key_end - (k_start + jj * BLOCK_N))
+                _load_v_upto(v_desc, v_smem.index(stage), v_fix, v_ready.index(stage), [page, row, kv_head, 0],
+                             key_end - (k_start + jj * BLOCK_N))
             else:
                 mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0], v_ready.index(stage),
-                         v_smem.index(stage))
+                tma_load(v_desc, [page, row, kv_head, 0], v_ready.index(stage), v_smem.index(stage))
         else:
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma_load(v_desc, [tma_batch, k_start + jj * BLOCK_N, kv_head, 0],
-                                            v_ready.index(stage), v_smem.index(stage))
+            tma_load(v_desc, [page, row, kv_head, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _key_page(key, table_row, page_size):
+    """The K/V TMA coordinates (page, row) of a key block starting at key, through the table's row (one page
+    per sequence, or pages of a multiple of the block's keys: a block never spans two pages)."""
+    index = key // page_size
+    return gl.load(table_row + index), key - index * page_size
 
 
 @gluon.jit
@@ -222,10 +244,12 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             heads_per_group, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
             IS_VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, OWN_KEY_RANGE: gl.constexpr, QUERY_GROUP: gl.constexpr,
-            bias_desc=None, bias_smem=None, bias_batches=1, bias_heads=1):
+            bias_desc=None, bias_smem=None, bias_batches=1, bias_heads=1, block_table=None, stride_table=0,
+            page_size=1, table_keys=0, key_shift=None):
     # bias_desc: attn_bias's tiles come through the K ring (_load_tiles); bias_batches, bias_heads: its batch
-    # and head dims (1 where it broadcasts). v_fix: with seqused_k, the barrier _load_v_upto waits on (one
-    # tile per CTA: the host keeps such calls off the persistent grid).
+    # and head dims (1 where it broadcasts). v_fix: with seqused_k or pages, the barrier _load_v_upto waits on
+    # (one tile per CTA: the host keeps such calls off the persistent grid). block_table (rows stride_table apart,
+    # each addressing table_keys keys), page_size, key_shift: K and V through a table of pages (forward_tile).
     if PERSISTENT:
         kv0 = 0
         tile_iter = 0
@@ -248,26 +272,32 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
-            BLOCK_M, CAUSAL, IS_VARLEN, QUERY_GROUP)
+            BLOCK_M, CAUSAL, IS_VARLEN, QUERY_GROUP, block_table, key_shift, table_keys)
         n_first, _, _, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
                                             CAUSAL, LOCAL, seqused_q is not None, QUERY_GROUP)
         # A window's tile starts at its first visible key block.
         first_key = n_first * BLOCK_N
         # Key blocks running past the sequence read the next one's keys (varlen), or past the tensor TMA's
-        # zeros (masked by the consumers); past seqused_k, a cache's free slots: V's are zeroed.
+        # zeros (masked by the consumers); past seqused_k, a cache's free slots, and past the keys in a
+        # sequence's last page: V's are zeroed.
         v_tail = v_fix if seqused_k is not None else None
+        table_row = None
+        if block_table is not None:  # k_start: the sequence's first key in its pages
+            table_row = block_table + batch * stride_table
+            v_tail = v_fix
         if IS_VARLEN:
             if valid:
                 _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
                             v_ready, v_empty, 0, q_start + start_m, k_start + first_key, head, kv_head,
                             n_total - n_first, 0, 0, False, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc,
                             bias_smem, (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP,
-                            v_tail, k_start + seqlen_k)
+                            v_tail, k_start + seqlen_k, table_row, page_size)
         else:
             _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                        v_ready, v_empty, batch, start_m, first_key, head, kv_head, n_total - n_first, 0, 0, False,
-                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc, bias_smem,
-                        (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP, v_tail, seqlen_k)
+                        v_ready, v_empty, batch, start_m, k_start + first_key, head, kv_head, n_total - n_first, 0,
+                        0, False, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, False, bias_desc, bias_smem,
+                        (batch % bias_batches, head % bias_heads, start_m, first_key), QUERY_GROUP, v_tail,
+                        k_start + seqlen_k, table_row, page_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -993,7 +1023,9 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
               ALIBI: gl.constexpr, REL_BIAS: gl.constexpr, BIAS: gl.constexpr, PINGPONG: gl.constexpr,
               IS_VARLEN: gl.constexpr, HEAD_DIM_TRUE: gl.constexpr, PERSISTENT: gl.constexpr,
               ROW_SUM_MMA: gl.constexpr, TRIM_DIAGONAL: gl.constexpr, OWN_KEY_RANGE: gl.constexpr,
-              HEAD_DIM_V_TRUE: gl.constexpr, QUERY_GROUP: gl.constexpr):
+              HEAD_DIM_V_TRUE: gl.constexpr, QUERY_GROUP: gl.constexpr, block_table=None, key_shift=None,
+              table_keys=0):
+    # block_table, key_shift, table_keys: K and V through a table of pages (forward_tile: the keys it uses).
     if PERSISTENT:
         kv0 = 0
         turn0 = 0
@@ -1030,7 +1062,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
     else:
         start_m, head, kv_head, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid = forward_tile(
             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group, heads_per_group,
-            BLOCK_M, CAUSAL, IS_VARLEN, QUERY_GROUP)
+            BLOCK_M, CAUSAL, IS_VARLEN, QUERY_GROUP, block_table, key_shift, table_keys)
         n_first, n_free_lo, n_unmasked, n_total = key_blocks(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                              BLOCK_M, BLOCK_N, CAUSAL, LOCAL, seqused_q is not None,
                                                              QUERY_GROUP)
@@ -1071,7 +1103,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_rea
 # (query block, head, batch) of the grid.
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "nheads", "head_group",
                               "n_batch", "heads_per_group", "stride_o_s", "stride_o_h", "window_left", "window_right",
-                              "stride_alibi_b", "rel_bias_distance"])
+                              "stride_alibi_b", "rel_bias_distance", "stride_table", "page_size", "table_keys"])
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b, stride_lse_h,
                           seqlen_q, seqlen_k, nheads, head_group, n_batch, heads_per_group, qk_scale_log2,
                           cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, o_ptr, stride_o_s, stride_o_h,
@@ -1086,7 +1118,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                           HEAD_DIM_V_TRUE: gl.constexpr = None, sink_ptr=None, rel_bias_table=None,
                           rel_bias_distance=0, attn_bias=None, stride_bias_b=0, stride_bias_h=0, stride_bias_m=0,
                           bias_desc=None, bias_batches=1, bias_heads=1, BIAS_ROW: gl.constexpr = False,
-                          QUERY_GROUP: gl.constexpr = 1):
+                          QUERY_GROUP: gl.constexpr = 1, block_table=None, stride_table=0, page_size=1,
+                          table_keys=0, key_shift=None):
+    # block_table: K and V are a kv cache's pages (num_pages, page_size, hk, d), read through this int32 table
+    # (rows stride_table apart; a row addresses table_keys keys); page_size a multiple of BLOCK_N, or the
+    # table one page per sequence. key_shift (int32 (batch,) or None): each sequence's first key there.
     # rel_bias_table: a relative-position bias table (nheads, 2 * rel_bias_distance + 1), float32
     # (flashtile.mods.relative_bias, scores.relative_bias_log2), or None. attn_bias: a bias added to
     # the scores, read with these batch / head / query strides (0 along broadcast dimensions) and unit key
@@ -1148,7 +1184,9 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
-    if seqused_k is not None:
+    # With seqused_k or pages, slots past a sequence's keys may hold anything: the loader zeroes V there.
+    ZERO_V_TAIL: gl.constexpr = (seqused_k is not None) | (block_table is not None)
+    if ZERO_V_TAIL:
         v_fix = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         mbarrier.init(v_fix, count=1)
     else:
@@ -1177,12 +1215,13 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
-                       bias_smem, bias_batches, bias_heads)),
+                       bias_smem, bias_batches, bias_heads, block_table, stride_table, page_size, table_keys,
+                       key_shift)),
         ], [1], [LOADER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
@@ -1195,7 +1234,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1205,12 +1244,13 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
-                       bias_smem, bias_batches, bias_heads)),
+                       bias_smem, bias_batches, bias_heads, block_table, stride_table, page_size, table_keys,
+                       key_shift)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     elif NUM_CONSUMERS == 3:
         gl.warp_specialize([
@@ -1223,7 +1263,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1233,7 +1273,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1243,12 +1283,13 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
-                       bias_smem, bias_batches, bias_heads)),
+                       bias_smem, bias_batches, bias_heads, block_table, stride_table, page_size, table_keys,
+                       key_shift)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_CONSUMERS == 4, "1 to 4 consumer warpgroups")
@@ -1262,7 +1303,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1272,7 +1313,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1282,7 +1323,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_consumer, (q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, o_smem, k_ready, k_empty, v_ready,
                          v_empty, turn, o_desc, lse_ptr, stride_lse_b, stride_lse_h, o_ptr, stride_o_s, stride_o_h,
                          cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads, head_group,
@@ -1292,10 +1333,11 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lse_b,
                          NUM_STAGES, CAUSAL,
                          LOCAL, SOFTCAP, ALIBI, REL_BIAS, BIAS, PINGPONG, IS_VARLEN, HEAD_DIM_TRUE, PERSISTENT,
                          ROW_SUM_MMA,
-                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP)),
+                         TRIM_DIAGONAL, OWN_KEY_RANGE, V_TRUE, QUERY_GROUP, block_table, key_shift, table_keys)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, v_fix, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, nheads,
                        head_group, n_batch, heads_per_group, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                        NUM_CONSUMERS, CAUSAL, LOCAL, IS_VARLEN, PERSISTENT, OWN_KEY_RANGE, QUERY_GROUP, bias_desc,
-                       bias_smem, bias_batches, bias_heads)),
+                       bias_smem, bias_batches, bias_heads, block_table, stride_table, page_size, table_keys,
+                       key_shift)),
         ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -40,7 +40,8 @@ def gluon_attention_forward(q, k, v, out, lse, softmax_scale: float, causal: boo
     None reads it from cu_seqlens_q (a device sync). Causal is bottom-right aligned per sequence.
     Dense with seqused_k (a kv cache: k, v (b, capacity, hk, d)): batch b uses its first seqused_k[b] keys.
     Keys past a sequence's end are read and masked out; the values past seqused_k are zeroed in shared
-    memory first (they may hold anything: NaN times probability 0 is still NaN). See supported()."""
+    memory first (they may hold anything: NaN times probability 0 is still NaN). A kv cache's pages
+    (``block_table``, ``key_shift``): see ForwardPlan. See supported()."""
     _launch(q, k, v, out, lse, softmax_scale, causal, config, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, **options)
 
@@ -58,7 +59,8 @@ def make_launcher(q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlen
     plan = ForwardPlan(q, k, v, out, lse, softmax_scale, causal, config, max_seqlen_q=max_seqlen_q, **varlen,
                        **options)
     descriptors = plan.descriptors(q, k, v, out)
-    tensors = {name: options.get(name) for name in ("alibi_slopes", "learnable_sink", "rel_bias_table", "attn_bias")}
+    tensors = {name: options.get(name) for name in ("alibi_slopes", "learnable_sink", "rel_bias_table", "attn_bias",
+                                                    "block_table", "key_shift")}
     return lambda: plan.launch(descriptors, out, lse, **tensors, **varlen)
 
 
@@ -115,8 +117,14 @@ class ForwardPlan:
     def __init__(self, q, k, v, out, lse, softmax_scale, causal, config, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, max_seqlen_q=None, softcap: float = 0.0, window_left: int = -1,
                  window_right: int = -1, alibi_slopes=None, learnable_sink=None, rel_bias_table=None,
-                 attn_bias=None, attn_bias_strides=(0, 0, 0), query_group: int = 1):
-        """query_group: g > 1 runs each kv head's group of g query heads as the rows of its tiles (a
+                 attn_bias=None, attn_bias_strides=(0, 0, 0), query_group: int = 1, block_table=None,
+                 key_shift=None):
+        """block_table (int32 (batch, pages), unit stride along the pages): k and v are a kv cache's pages
+        (num_pages, page_size, hk, d), key t of sequence b at row t % page_size of page block_table[b, t //
+        page_size]; page_size a multiple of the config's block_n, or one page per sequence (a contiguous cache's
+        rows picked by cache_batch_idx). With it a dense call needs seqused_k. key_shift (int32 (batch,), one
+        page per sequence): where each sequence's keys start in its page (cache_leftpad).
+        query_group: g > 1 runs each kv head's group of g query heads as the rows of its tiles (a
         decode-shaped GQA call, launch.GluonForward's query_group): the kernel sees hk heads of sq * g rows, row
         p * g + i being query head hk * g + i at position p, and reads q and writes out and lse (the
         call's own tensors) in place. A power of two dividing 64 and the call's h / hk; no per-head
@@ -159,7 +167,7 @@ class ForwardPlan:
                 cfg = replace(cfg, persistent=False)
         varlen = cu_seqlens_q is not None
         if varlen:
-            assert cu_seqlens_k is not None and batch == 1 and k.shape[0] == 1
+            assert cu_seqlens_k is not None and batch == 1 and (k.shape[0] == 1 or block_table is not None)
             assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
             assert cu_seqlens_k.numel() == cu_seqlens_q.numel() and lse.dim() == 2
             for t in (seqused_q, seqused_k):
@@ -180,7 +188,17 @@ class ForwardPlan:
             lse_strides = (lse.stride(0), lse.stride(1))
             out_strides = (None, None)
             # The persistent loop reads no seqused_k (the loader zeroes V past it once per CTA).
-            persistent = cfg.persistent and seqused_k is None
+            persistent = cfg.persistent and seqused_k is None and block_table is None
+        if block_table is not None:
+            pages, page_size = block_table.shape[1], k.shape[1]
+            assert block_table.dtype == torch.int32 and block_table.stride(1) == 1 and v.shape[1] == page_size
+            assert page_size % cfg.block_n == 0 or pages == 1, "a key block must not span two pages"
+            assert key_shift is None or pages == 1
+            assert varlen or seqused_k is not None
+            table_args = dict(stride_table=block_table.stride(0), page_size=page_size, table_keys=pages * page_size)
+        else:
+            assert key_shift is None
+            table_args = {}
         # Causal per-tile grids (dense) take their tiles longest first, a group of heads at a time
         # (tile_order.py); None: one head after another (no remap compiled in).
         group = None
@@ -220,23 +238,27 @@ class ForwardPlan:
                                     rel_bias_table),
                  **({} if head_dim_v == head_dim else {"HEAD_DIM_V_TRUE": head_dim_v}), sink_ptr=learnable_sink,
                  **({} if attn_bias is None else attn_bias_arguments(attn_bias_strides, self.bias_template)),
-                 **({} if query_group == 1 else {"QUERY_GROUP": query_group}), num_warps=4, **register_cap(cfg)),
+                 **({} if query_group == 1 else {"QUERY_GROUP": query_group}), block_table=block_table,
+                 key_shift=key_shift, **table_args, num_warps=4, **register_cap(cfg)),
             slots=("q_desc", "k_desc", "v_desc", "o_desc", "lse_ptr", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table", "attn_bias", "bias_desc"))
+                   "seqused_k", "o_ptr", "alibi_slopes", "sink_ptr", "rel_bias_table", "attn_bias", "bias_desc",
+                   "block_table", "key_shift"))
 
     def descriptors(self, q, k, v, out) -> tuple:
         """The TMA descriptors of one call's tensors (q, k, v, o order)."""
         return self.q_tiles(q), self.k_tiles(k), self.v_tiles(v), self.o_tiles(out)
 
     def launch(self, descriptors, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-               seqused_k=None, alibi_slopes=None, learnable_sink=None, rel_bias_table=None, attn_bias=None):
+               seqused_k=None, alibi_slopes=None, learnable_sink=None, rel_bias_table=None, attn_bias=None,
+               block_table=None, key_shift=None):
         """Launches with prebuilt descriptors; returns the compiled kernel (None for an empty grid)."""
         if self.call is None:
             return None
         ring = self.bias_template is not None
         return self.call(*descriptors, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                          out if self.varlen else None, alibi_slopes, learnable_sink, rel_bias_table,
-                         None if ring else attn_bias, self.bias_template(attn_bias) if ring else None)
+                         None if ring else attn_bias, self.bias_template(attn_bias) if ring else None, block_table,
+                         key_shift)
 
     def __call__(self, q, k, v, out, lse, **varlen):
         if self.call is None:

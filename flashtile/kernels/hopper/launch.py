@@ -155,4 +155,7 @@ def gluon_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:
 
 def forward_seq_tensors(seqs: Optional[PackedSeqs]) -> dict:
     """The packed-batch (or kv-cache) keyword arguments of forward_plan.ForwardPlan."""
-    return {} if seqs is None else dict(gluon_seq_tensors(seqs), seqused_k=seqs.seqused_k)
+    if seqs is None:
+        return {}
+    return dict(gluon_seq_tensors(seqs), seqused_k=seqs.seqused_k, block_table=seqs.block_table,
+                key_shift=seqs.key_shift)

@@ -11,7 +11,7 @@ from .tile_order import grouped_tile_order
 @gluon.jit
 def forward_tile(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seqlen_k, head_group,
                  heads_per_group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr,
-                 QUERY_GROUP: gl.constexpr = 1):
+                 QUERY_GROUP: gl.constexpr = 1, block_table=None, key_shift=None, table_keys=0):
     """What this CTA works on: (start_m, head, kv head, batch, q_start, k_start, seqlen_q, seqlen_k,
     rows_end, valid). start_m is relative to its sequence, whose rows start at q_start and keys at
     k_start; seqlen_q / seqlen_k are the rows / keys the sequence uses, rows_end its rows (>= seqlen_q,
@@ -22,7 +22,10 @@ def forward_tile(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seq
     Causal: the longest tiles (the most key blocks) launch first; dense grids with heads_per_group
     (not None) go through groups of that many (batch, head) pairs (tile_order.py).
     QUERY_GROUP: rows per query position (GQA groups packed as rows): a packed sequence's rows are its
-    positions times QUERY_GROUP."""
+    positions times QUERY_GROUP.
+    block_table (not None): the keys are read through a table of pages, each sequence's row of it
+    addressing table_keys keys; k_start is then the sequence's first key there (key_shift[b], a kv
+    cache's left padding, or 0), and the sequence uses no keys past what its row addresses."""
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     batch = gl.program_id(2)
@@ -60,6 +63,11 @@ def forward_tile(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, seqlen_q, seq
         valid = True
         if seqused_k is not None:  # a kv cache's rows, seqused_k of them in use
             seqlen_k = gl.load(seqused_k + batch)
+    if block_table is not None:
+        k_start = 0
+        if key_shift is not None:
+            k_start = gl.maximum(gl.load(key_shift + batch), 0)
+        seqlen_k = gl.maximum(gl.minimum(seqlen_k, table_keys - k_start), 0)
     return start_m, head, head // head_group, batch, q_start, k_start, seqlen_q, seqlen_k, rows_end, valid
 
 

@@ -52,10 +52,11 @@ def tma_misalignment(name: str, t: torch.Tensor) -> Optional[str]:
     return None
 
 
-def qkv_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+def qkv_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool = False) -> Optional[str]:
     """Why the Gluon kernels cannot take these (b, s, h, d) tensors, the device aside, or None when
     they can: fp16 / bf16 of one dtype, head dims in HEAD_DIMS (v's may differ from q's and k's:
-    the forward takes that, the dispatcher keeps the backward off), a GQA layout, TMA-aligned."""
+    the forward takes that, the dispatcher keeps the backward off), a GQA layout, TMA-aligned.
+    paged: k and v are pages read through a table, (num_pages, page_size, hk, d)."""
     if q.dtype not in FLOAT16_TYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {str(q.dtype).replace('torch.', '')}: the Hopper kernels take float16 and bfloat16"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -64,7 +65,7 @@ def qkv_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Option
     if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] not in HEAD_DIMS:
         dims = str(head_dim) if v.shape[-1] == head_dim else f"{head_dim} (v: {v.shape[-1]})"
         return f"head dim {dims}: the Hopper kernels take head dims {', '.join(map(str, HEAD_DIMS))}"
-    if (k.shape[:-1] != v.shape[:-1] or k.shape[0] != q.shape[0] or k.shape[2] == 0
+    if (k.shape[:-1] != v.shape[:-1] or (k.shape[0] != q.shape[0] and not paged) or k.shape[2] == 0
             or q.shape[2] % k.shape[2] != 0):
         return (f"q {tuple(q.shape)} and k, v {tuple(k.shape)}, {tuple(v.shape)} are not a GQA layout the Hopper "
                 "kernels take")
