@@ -146,9 +146,9 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
     # A kv cache's dense rows (no prefix sums on either side, seqused_k) run on the forward.
     cache_rows = (kernel == FWD_GLUON and seqs is not None and seqs.cu_seqlens_q is None
                   and seqs.cu_seqlens_k is None and seqs.seqused_k is not None and seqs.seqused_q is None)
-    if cache_rows and (params.alibi_slopes is not None or params.mods is not None):
+    if cache_rows and params.mods is not None:
         # Verified on the GPU without them; with them the cache's step keeps the portable kernels.
-        return None, "a kv cache's rows with ALiBi or mods: the portable kernels"
+        return None, "a kv cache's rows with mods: the portable kernels"
     if seqs is not None and (seqs.cu_seqlens_q is None or seqs.cu_seqlens_k is None) and not cache_rows:
         return None, "a side without cu_seqlens (the decode layout): the Hopper kernels read packed sequences only"
     if seqs is not None and kernel == BWD_GLUON and (seqs.seqused_k is not None or seqs.seqused_q is not None):
@@ -259,7 +259,7 @@ def decode_route(q, k, params: ScoreParams, seqs: Optional[PackedSeqs]) -> Optio
         return None
     if seqs is None:
         rows, keys = q.shape[1], k.shape[1]
-    elif seqs.paged or seqs.cu_seqlens_q is None or seqs.seqused_q is not None:
+    elif seqs.cu_seqlens_q is None or seqs.seqused_q is not None:
         return None  # kv caches take this path through kvcache_attention already
     else:
         rows, keys = seqs.max_seqlen_q, seqs.max_seqlen_k
@@ -435,7 +435,8 @@ class DecodeForward:
         if seqs is None or self.one_query_each:
             max_seqlen_k = k.shape[1] if seqs is None else seqs.max_seqlen_k
             self.seqs = PackedSeqs(None, None if seqs is None else seqs.cu_seqlens_k, q.shape[1], max_seqlen_k,
-                                   seqused_k=None if seqs is None else seqs.seqused_k, dense_batch=q.shape[0])
+                                   seqused_k=None if seqs is None else seqs.seqused_k,
+                                   block_table=None if seqs is None else seqs.block_table, dense_batch=q.shape[0])
         else:
             self.seqs = seqs
         batch, rows, max_seqlen_k = grid_lengths(q, k, self.seqs)
@@ -452,9 +453,9 @@ class DecodeForward:
 
     def __call__(self, q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedSeqs] = None):
         decode_seqs = self.seqs
-        if self.one_query_each:  # this call's key prefix sums and used lengths
+        if self.one_query_each:  # this call's key prefix sums, used lengths and pages
             decode_seqs = PackedSeqs(None, seqs.cu_seqlens_k, 1, self.seqs.max_seqlen_k, seqused_k=seqs.seqused_k,
-                                     dense_batch=self.seqs.dense_batch)
+                                     block_table=seqs.block_table, dense_batch=self.seqs.dense_batch)
         elif seqs is not None:
             decode_seqs = seqs
         # The views start at the tensors' data pointers, which is all a launch reads of them. The

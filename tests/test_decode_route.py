@@ -218,6 +218,7 @@ class _HopperForwardSpy:
     (24, 24, 16, 2, 96, 1500, dict(causal=True, window_size=(300, 0), softcap=30.0)),
     (40, 0, 16, 4, 256, 1100, dict(causal=True)),
     (200, 200, 8, 2, 128, 3000, dict(causal=True)),  # a prefill chunk: a tile per query head
+    (150, 0, 8, 2, 64, 2000, dict(causal=True, alibi_slopes=(3, 8))),  # ALiBi: per-head, so only chunks
 ])
 def test_kvcache_on_hopper_over_nan_slots(monkeypatch, dtype, seqlen_q, seqlen_new, nheads, nheads_k, head_dim,
                                           capacity, options):
@@ -228,6 +229,7 @@ def test_kvcache_on_hopper_over_nan_slots(monkeypatch, dtype, seqlen_q, seqlen_n
     monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
     spy = _HopperForwardSpy(monkeypatch)
     batch = 3
+    options = _with_slopes(options)
     q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
     k_cache, v_cache = (randn(batch, capacity, nheads_k, head_dim, dtype=dtype) for _ in range(2))
     k_new, v_new = (randn(batch, seqlen_new, nheads_k, head_dim, dtype=dtype) if seqlen_new else None
@@ -243,8 +245,22 @@ def test_kvcache_on_hopper_over_nan_slots(monkeypatch, dtype, seqlen_q, seqlen_n
     assert spy.groups == [nheads // nheads_k if seqlen_q <= DECODE_ROUTE_MAX_ROWS else 1], spy.groups
     for b, n in enumerate(lengths):
         _check_sequence(out[b:b + 1], lse[b], q[b:b + 1], k_cache[b:b + 1, :n + seqlen_new],
-                        v_cache[b:b + 1, :n + seqlen_new], causal=options["causal"],
-                        window_size=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0))
+                        v_cache[b:b + 1, :n + seqlen_new], **_sequence_options(options, b))
+
+
+def _with_slopes(options: dict) -> dict:
+    """The options with alibi_slopes given as a shape made a tensor of random slopes."""
+    if "alibi_slopes" not in options:
+        return options
+    return dict(options, alibi_slopes=torch.rand(*options["alibi_slopes"], device=DEVICE) * 0.3)
+
+
+def _sequence_options(options: dict, b: int) -> dict:
+    """The options of sequence b alone: (batch, heads) ALiBi slopes sliced to its row."""
+    slopes = options.get("alibi_slopes")
+    if slopes is None or slopes.dim() == 1:
+        return options
+    return dict(options, alibi_slopes=slopes[b:b + 1])
 
 
 def _cache_through_table(layout, batch, capacity, nheads_k, head_dim, dtype, page_size=256):
@@ -277,6 +293,7 @@ def _cache_through_table(layout, batch, capacity, nheads_k, head_dim, dtype, pag
     ("batch_idx", 40, 0, 16, 4, 256, dict(causal=True, window_size=(300, 0), softcap=30.0)),
     ("leftpad", 32, 0, 32, 8, 128, dict(causal=True)),
     ("leftpad", 150, 150, 16, 2, 96, dict(causal=False)),
+    ("paged", 130, 0, 8, 2, 128, dict(causal=True, alibi_slopes=(8,))),
 ])
 def test_kvcache_tables_on_hopper_over_nan_slots(monkeypatch, layout, seqlen_q, seqlen_new, nheads, nheads_k,
                                                  head_dim, options):
@@ -286,6 +303,7 @@ def test_kvcache_tables_on_hopper_over_nan_slots(monkeypatch, layout, seqlen_q, 
     monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
     spy = _HopperForwardSpy(monkeypatch)
     batch, capacity = 3, 2048
+    options = _with_slopes(options)
     k_cache, v_cache, table, slot = _cache_through_table(layout, batch, capacity, nheads_k, head_dim,
                                                          torch.bfloat16)
     pads = table["cache_leftpad"].tolist() if layout == "leftpad" else [0] * batch
@@ -307,8 +325,7 @@ def test_kvcache_tables_on_hopper_over_nan_slots(monkeypatch, layout, seqlen_q, 
         slots = [slot(b, t) for t in range(pads[b], ends[b] + seqlen_new)]
         pages, rows = (torch.tensor(i, device=DEVICE) for i in zip(*slots))
         _check_sequence(out[b:b + 1], lse[b], q[b:b + 1], k_cache[pages, rows][None], v_cache[pages, rows][None],
-                        causal=options["causal"], window_size=options.get("window_size", (-1, -1)),
-                        softcap=options.get("softcap", 0.0))
+                        **_sequence_options(options, b))
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernels run on sm90")
@@ -316,8 +333,8 @@ def test_kvcache_tables_on_hopper_over_nan_slots(monkeypatch, layout, seqlen_q, 
                                                 ([33, 17, 64, 40], dict(causal=False))])
 def test_varlen_paged_on_hopper_over_nan_slots(monkeypatch, lengths_q, options):
     """flash_attn_varlen_func over pages of 256 keys (cu_seqlens_k counts each sequence's keys): the Hopper
-    forward's dense tiles (paged calls are not on the decode route), every slot past a sequence's keys NaN (its
-    last page's tail, spare pages)."""
+    forward (a few rows with GQA: the groups packed as rows, the tile threshold lifted), every slot past a
+    sequence's keys NaN (its last page's tail, spare pages)."""
     monkeypatch.setattr(dispatch, "PACKED_GQA_HOPPER_TILES_PER_SM", 0)
     spy = _HopperForwardSpy(monkeypatch)
     lengths_k = [1500, 700, 2048, 257]
@@ -330,7 +347,7 @@ def test_varlen_paged_on_hopper_over_nan_slots(monkeypatch, lengths_q, options):
             v_cache[page, row] = randn(8, 128, dtype=torch.bfloat16)
     out, lse, _ = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                                    return_attn_probs=True, **table, **options)
-    assert spy.groups == [1], spy.groups
+    assert spy.groups == [1 if max(lengths_q) > DECODE_ROUTE_MAX_ROWS else 4], spy.groups
     for i, n in enumerate(lengths_k):
         qs = slice(int(cu_q[i]), int(cu_q[i + 1]))
         pages, rows = (torch.tensor(x, device=DEVICE) for x in zip(*[slot(i, t) for t in range(n)]))
@@ -403,10 +420,34 @@ def test_packed_decode_shapes(lengths_q, nheads, nheads_k):
         assert torch.allclose(lse[:, qs].double(), ref_lse[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("lengths_q", [[1, 1, 1], [4, 1, 3], [16, 0, 9]])
+def test_paged_decode_shapes(lengths_q):
+    """Decode-shaped flash_attn_varlen_func calls over a paged cache take the decode route as well (one query per
+    sequence: GQA heads as rows through the table), every slot past a sequence's keys NaN."""
+    lengths_k, nheads, nheads_k = [300, 17, 200], 8, 2
+    k_cache, v_cache, table, slot = _cache_through_table("paged", 3, 320, nheads_k, 64, DTYPES[0], page_size=32)
+    keys = []
+    for b, n in enumerate(lengths_k):
+        pages, rows = (torch.tensor(x, device=DEVICE) for x in zip(*[slot(b, t) for t in range(n)]))
+        k_cache[pages, rows] = randn(n, nheads_k, 64, dtype=DTYPES[0])
+        v_cache[pages, rows] = randn(n, nheads_k, 64, dtype=DTYPES[0])
+        keys.append((k_cache[pages, rows][None], v_cache[pages, rows][None]))
+    q, _, _, cu_q, cu_k = _packed(lengths_q, lengths_k, nheads, nheads_k, DTYPES[0])
+    seqs = PackedSeqs(cu_q, cu_k, max(lengths_q), max(lengths_k), block_table=table["block_table"])
+    assert dispatch.decode_route(q[None], k_cache, ScoreParams(softmax_scale=0.125), seqs) is not None
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   causal=True, return_attn_probs=True, **table)
+    for i, (k, v) in enumerate(keys):
+        qs = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        if qs.stop > qs.start:
+            _check_sequence(out[qs][None], lse[:, qs], q[qs][None], k, v, causal=True)
+
+
+@pytest.mark.parametrize("packed", [False, True, "paged"])
 @pytest.mark.parametrize("nheads_k", [2, 8])
 def test_forced_splits(packed, nheads_k):
-    """Split-KV and its merge, which the interpreter never picks by itself (one split off the GPU)."""
+    """Split-KV and its merge, which the interpreter never picks by itself (one split off the GPU); packed, and
+    packed over shuffled pages of 100 keys."""
     dtype = DTYPES[0]
     batch, nheads, seqlen_k = 3, 8, 700
     q, k, v = make_qkv(batch, 1, seqlen_k, nheads, nheads_k, 64, dtype, requires_grad=False)
@@ -419,6 +460,11 @@ def test_forced_splits(packed, nheads_k):
         seqs = PackedSeqs(cu, cu_k, 1, seqlen_k)
         tensors = (q.reshape(1, batch, nheads, 64), k.reshape(1, -1, nheads_k, 64), v.reshape(1, -1, nheads_k, 64),
                    out.view(1, batch, nheads, 64))
+        if packed == "paged":  # page i of the pool holds the keys' page order[i]
+            order = torch.randperm(batch * 7, device=DEVICE)
+            table = torch.argsort(order).int().view(batch, 7)
+            seqs = PackedSeqs(cu, cu_k, 1, seqlen_k, block_table=table)
+            tensors = (tensors[0], *(t.reshape(batch * 7, 100, nheads_k, 64)[order] for t in (k, v)), tensors[3])
         lse = torch.full((1, nheads, batch), float("nan"), device=DEVICE)
     else:
         seqs, tensors = None, (q, k, v, out)
