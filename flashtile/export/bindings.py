@@ -126,10 +126,11 @@ def gluon_forward(cfg: GluonFwdConfig, causal: bool, varlen: bool) -> Binding:
         "seqlen_q": "rows_q", "seqlen_k": "rows_k", "nheads": "nheads", "head_group": "DIV(nheads, nheads_k)",
         "n_batch": "batch", "qk_scale_log2": ("float", f"softmax_scale * {LOG2E!r}"),
         # The C library's Hopper forward takes no window, softcap, ALiBi (their entries are portable),
-        # relative-bias table or attn_bias.
+        # relative-bias table, attn_bias or table of pages (its kv-cache entries are portable).
         "window_left": "0", "window_right": "0", "softcap_scale": ("float", "0.0"), "softcap_log2": ("float", "0.0"),
         "stride_alibi_b": "0", "rel_bias_distance": "0", "stride_bias_b": "0", "stride_bias_h": "0",
-        "stride_bias_m": "0", "bias_batches": "1", "bias_heads": "1",
+        "stride_bias_m": "0", "bias_batches": "1", "bias_heads": "1", "stride_table": "0", "page_size": "1",
+        "table_keys": "0",
     }
     if causal and not varlen and not persistent and cfg.heads_per_group != 1:
         # forward_plan.heads_per_group with factor 1; 0 in the config: sized from the SM count.
