@@ -228,7 +228,7 @@ def test_decode_smoke(tmp_path, capsys, monkeypatch):
     assert bench.main(["decode", "--interpret-smoke", "--seqlen-q", "1,2", "--causal", "both", "--anchors", "sdpa,fa4",
                        "--out", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "decode.json").read_text())
-    systems = ["flashtile", "flashtile-paged", "flashtile-func", "flashtile-varlen", "sdpa"]
+    systems = ["flashtile", "flashtile-paged", "flashtile-func", "flashtile-varlen", "flashtile-varlen-paged", "sdpa"]
     # One query row runs once (not causal); two run with and without the causal mask.
     assert [(r["system"], r["seqlen_q"], r["causal"], r["ok"]) for r in document["records"]] == [
         (name, rows, causal, True) for rows, causal in ((1, False), (2, False), (2, True)) for name in systems]

@@ -1,6 +1,6 @@
 """``bench decode``: decoding's bandwidth through flashtile's three entry points (flash_attn_with_kvcache
-on a contiguous and a paged cache, flash_attn_func and flash_attn_varlen_func on the contiguous
-cache) next to the copy bandwidth and the anchors.
+on a contiguous and a paged cache, flash_attn_func on the contiguous cache, flash_attn_varlen_func on
+it and on the paged cache) next to the copy bandwidth and the anchors.
 
 A few new queries per sequence (--seqlen-q, a list, default 1; more is speculative decoding, causal
 and bottom-right aligned unless --causal says otherwise), 32 query heads over 8 KV heads, head dim
@@ -31,11 +31,13 @@ from .report import Table, geomean, render_text, save_plot, skipped_notes, write
 
 PROG = "python -m flashtile bench decode"
 # flashtile's entry points: flash_attn_with_kvcache on a contiguous and on a paged cache, and the
-# dense and packed calls (flash_attn_func, flash_attn_varlen_func) that much serving code decodes with.
-LAYOUTS = ("contiguous", "paged", "func", "varlen")
+# dense and packed calls (flash_attn_func, flash_attn_varlen_func) that much serving code decodes with,
+# the packed call also over the paged cache (block_table).
+LAYOUTS = ("contiguous", "paged", "func", "varlen", "varlen-paged")
 OWN_SYSTEMS = {"contiguous": "flashtile", "paged": "flashtile-paged", "func": "flashtile-func",
-               "varlen": "flashtile-varlen"}
-# The entry points the ratios compare (the anchors read the contiguous cache, so paged is shown alone).
+               "varlen": "flashtile-varlen", "varlen-paged": "flashtile-varlen-paged"}
+PAGED_SYSTEMS = ("flashtile-paged", "flashtile-varlen-paged")
+# The entry points the ratios compare (the anchors read the contiguous cache, so the paged layouts are shown alone).
 ENTRY_POINTS = ("flashtile", "flashtile-func", "flashtile-varlen")
 ANCHORS = {
     "sdpa": "torch SDPA, its own backend choice",
@@ -147,7 +149,7 @@ def point_systems(names: list[str], q, k_cache, v_cache, seqlens, table, k_paged
                                                            block_table=table, causal=causal),
         "flashtile-func": lambda: flash_attn_func(q, k_cache, v_cache, causal=causal),
     }
-    if "flashtile-varlen" in names:  # the packed views and prefix sums, made once per point
+    if "flashtile-varlen" in names or "flashtile-varlen-paged" in names:  # packed views and prefix sums, once
         import torch
 
         batch, seqlen_q, length = q.shape[0], q.shape[1], k_cache.shape[1]
@@ -156,6 +158,9 @@ def point_systems(names: list[str], q, k_cache, v_cache, seqlens, table, k_paged
         q_packed, k_packed, v_packed = (t.flatten(0, 1) for t in (q, k_cache, v_cache))
         calls["flashtile-varlen"] = lambda: flash_attn_varlen_func(
             q_packed, k_packed, v_packed, cu_q, cu_k, seqlen_q, length, causal=causal).view(q.shape)
+        calls["flashtile-varlen-paged"] = lambda: flash_attn_varlen_func(
+            q_packed, k_paged, v_paged, cu_q, cu_k, seqlen_q, length, causal=causal,
+            block_table=table).view(q.shape)
     calls.update({
         "sdpa": lambda: sdpa(q, k_cache, v_cache, causal=causal),
         "cudnn": lambda: sdpa(q, k_cache, v_cache, SDPBackend.CUDNN_ATTENTION, causal),
@@ -282,8 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--page", type=parse_size, default=None, help="page size of the paged cache (default: 256)")
     add("--layouts", type=choice_list(LAYOUTS), default=list(LAYOUTS),
         help="flashtile's entry points: contiguous and paged (flash_attn_with_kvcache), func "
-             "(flash_attn_func on the contiguous cache), varlen (flash_attn_varlen_func on it, packed) "
-             "(default: all)")
+             "(flash_attn_func on the contiguous cache), varlen (flash_attn_varlen_func on it, packed), "
+             "varlen-paged (flash_attn_varlen_func on the paged cache, block_table) (default: all)")
     add("--dtype", choices=tuple(DTYPES), default=None, help="input dtype (default: bf16; fp16 when smoke)")
     add("--anchors", type=lambda t: [] if t.strip() == "none" else choice_list(ANCHORS, allow_empty=True)(t),
         default=None, help="anchors timed in the same run: " + ", ".join(f"{k} ({v})" for k, v in ANCHORS.items())
@@ -349,8 +354,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         for seqlen_q, causal in args.variants:
             q, k_cache, v_cache, seqlens, table = decode_inputs(torch, batch, length, seqlen_q, args.heads,
                                                                 args.heads_k, args.headdim, args.page, dtype, device)
-            k_paged, v_paged = (paged_copy(torch, k_cache, v_cache, table) if "flashtile-paged" in systems
-                                else (None, None))
+            k_paged, v_paged = (paged_copy(torch, k_cache, v_cache, table)
+                                if any(s in systems for s in PAGED_SYSTEMS) else (None, None))
             calls = point_systems(systems, q, k_cache, v_cache, seqlens, table, k_paged, v_paged, causal)
             checked = min(batch, CHECKED_SEQUENCES)
             with torch.no_grad():
@@ -368,7 +373,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                         if not smoke and record["skipped"] is None:
                             time_point(torch, record, calls[record["system"]], copy_bw)
                         shape = f"b={batch:<4} cache={length:<7} sq={seqlen_q:<3}{' causal' if causal else ''}"
-                        progress.step(f"{shape:<36} {record['system']:<16} {describe(record)}")
+                        progress.step(f"{shape:<36} {record['system']:<22} {describe(record)}")
                 records += point
             write_json(out_dir / "decode.json", meta, records, complete=False)
             q = k_cache = v_cache = k_paged = v_paged = calls = expected = None  # free before the next point
