@@ -147,8 +147,9 @@ Config = Union[KernelConfig, RowBlockConfig, GluonFwdConfig, GluonBwdConfig]
 class Rule:
     """One row of a config table: ``config`` serves head dims up to ``max_head_dim``
     (padded to a power of two), the given causal flag (None: both), key lengths in
-    [min_seqlen_k, max_seqlen_k), the given dtypes (empty: all) and packed (varlen) or dense
-    batches (None: both). First match wins.
+    [min_seqlen_k, max_seqlen_k), the given dtypes (empty: all), packed (varlen) or dense
+    batches (None: both), and keys read through a block table (paged) or not (None: both).
+    First match wins.
     A ``None`` config means "this kernel does not serve these shapes"."""
 
     max_head_dim: int
@@ -158,13 +159,16 @@ class Rule:
     max_seqlen_k: int = 2**62
     dtypes: tuple = ()
     varlen: Optional[bool] = None
+    paged: Optional[bool] = None
 
-    def matches(self, head_dim: int, causal: bool, seqlen_k: int, dtype, varlen: bool = False) -> bool:
+    def matches(self, head_dim: int, causal: bool, seqlen_k: int, dtype, varlen: bool = False,
+                paged: bool = False) -> bool:
         return (padded_head_dim(head_dim) <= self.max_head_dim
                 and (self.causal is None or self.causal == causal)
                 and self.min_seqlen_k <= seqlen_k < self.max_seqlen_k
                 and (not self.dtypes or dtype in self.dtypes)
-                and (self.varlen is None or self.varlen == varlen))
+                and (self.varlen is None or self.varlen == varlen)
+                and (self.paged is None or self.paged == paged))
 
 
 @functools.lru_cache(maxsize=None)
@@ -314,7 +318,12 @@ _TUNED: dict = {
         # Decoding at head dims up to 64: 64-key steps four deep (a 64 KB K/V ring) keep more loads in
         # flight per multiprocessor than the default's 128-key steps three deep, at the split counts
         # _auto_splits picks (the H200 sweeps: docs/experiments.md, 2026-12-02).
+        # Through a block table, each K/V load waits on a page-number load, and Triton's pipeliner
+        # shares the stages among such a chain: five stages keep K and V double-buffered, as three do
+        # on a contiguous cache (fewer: one buffer, 0.7-0.85x the contiguous cache's bandwidth).
         FWD_DECODE: [
+            Rule(64, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5), paged=True),
+            Rule(128, KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=5), paged=True),
             Rule(64, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)),
         ],
         FWD_GLUON: [
@@ -632,27 +641,28 @@ def packed_gqa_config(arch: str, head_dim: int, table: GluonFwdConfig) -> GluonF
 
 
 def get_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
-               dtype: Optional[torch.dtype] = None, varlen: bool = False) -> Optional[Config]:
+               dtype: Optional[torch.dtype] = None, varlen: bool = False, paged: bool = False) -> Optional[Config]:
     """The config for ``kernel`` on ``arch`` ('sm90', 'interpreter', ...) for these shapes
-    (``varlen``: a packed batch; ``seqlen_k`` is then its longest sequence's).
+    (``varlen``: a packed batch; ``seqlen_k`` is then its longest sequence's; ``paged``: keys read
+    through a block table).
 
     Order: :func:`override`, then the tuned table of ``arch``, then the portable defaults.
     None: the kernel does not serve these shapes.
     """
     if kernel in _OVERRIDES:
         return _OVERRIDES[kernel]
-    return table_config(kernel, arch, head_dim, causal, seqlen_k, dtype, varlen)
+    return table_config(kernel, arch, head_dim, causal, seqlen_k, dtype, varlen, paged)
 
 
 @functools.lru_cache(maxsize=4096)  # the tables are constant; called on every attention call
 def table_config(kernel: str, arch: str, head_dim: int, causal: bool = False, seqlen_k: int = 0,
-                 dtype: Optional[torch.dtype] = None, varlen: bool = False) -> Optional[Config]:
+                 dtype: Optional[torch.dtype] = None, varlen: bool = False, paged: bool = False) -> Optional[Config]:
     """The committed tables alone (no override)."""
     if arch == "interpreter":
         return _INTERPRETER[kernel]
     for table in (_TUNED.get(arch, {}).get(kernel), _DEFAULT_GPU[kernel]):
         for rule in table or ():
-            if rule.matches(head_dim, causal, seqlen_k, dtype, varlen):
+            if rule.matches(head_dim, causal, seqlen_k, dtype, varlen, paged):
                 return rule.config
     if kernel in (FWD_GLUON, BWD_GLUON):
         return None

@@ -237,7 +237,7 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
             return None
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
         cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
-                         max_seqlen_k, q.dtype)
+                         max_seqlen_k, q.dtype, paged=seqs is not None and seqs.paged)
         _within_resources(lambda c: launch_forward(q, k, v, out, lse, params, c, seqs), cfg)
         return None
     plan = _FORWARD_PLANS.get_or_make(_plan_key(params, seqs, q, k, v, out, lse),
@@ -444,7 +444,8 @@ class DecodeForward:
         splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, tile_head_dim(q, v), q.device,
                                             kernel)
         if cfg is None:
-            cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
+            cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype,
+                             paged=self.seqs.paged)
         self.params, self.cfg = params, cfg
         if splits > 1:
             self.plan = SplitForward(q, k, v, out, lse, params, self.seqs, splits, cfg, pack_gqa=pack)
@@ -482,7 +483,8 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
                      lambda c: _gluon_forward_plan(q, k, v, out, lse, params, seqs, c)(q, k, v, out, lse, params, seqs))
         return _gluon_forward_plan(q, k, v, out, lse, params, seqs, cfg)
     kernel = forward_kernel(q, k, seqs)
-    cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
+    cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype,
+                     paged=seqs is not None and seqs.paged)
     cfg = _tuned(kernel, q, v, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
                  lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
     return _FittedPlan(lambda c: PortableForward(q, k, v, out, lse, params, c, seqs), cfg)
@@ -585,7 +587,8 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
 
     def make():
         kernel = family or _decode_family(decode_tile(seqs.max_seqlen_q, q.shape[2], k.shape[2], pack_gqa)[1])
-        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k, q.dtype)
+        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k, q.dtype,
+                         paged=seqs.paged)
         table_plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            SplitForward(q, k, v, out, lse, params, seqs, num_splits, c, pack_gqa=pack_gqa),

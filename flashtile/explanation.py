@@ -211,13 +211,14 @@ def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -
                               "the Hopper forward, each group's query heads packed as rows (its tiles fill the GPU "
                               "without split-KV)")
         cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, tile_head_dim(q, v), params.causal,
-                         max_seqlen_k, q.dtype)
+                         max_seqlen_k, q.dtype, paged=seqs is not None and seqs.paged)
         return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, decode)
     gluon_cfg, reason = gluon_decision(FWD_GLUON, q, k, v, params, seqs, device_capability=hypothetical_capability,
                                        warn=False)
     if gluon_cfg is not None:
         return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], gluon_cfg, reason)
-    cfg = get_config(forward_kernel(q, k, seqs), arch, tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype)
+    cfg = get_config(forward_kernel(q, k, seqs), arch, tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype,
+                     paged=seqs is not None and seqs.paged)
     if hypothetical_capability is None and q.device.type != "cuda":
         reason = _not_cuda_reason(reason)
     return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, reason)

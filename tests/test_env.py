@@ -17,7 +17,7 @@ import triton
 import flashtile
 from flashtile import triton_compat
 from flashtile.kernels.hopper import status as hopper_status
-from flashtile.configs import FWD_GLUON, GluonBwdConfig, GluonFwdConfig
+from flashtile.configs import FWD_DECODE, FWD_GLUON, GluonBwdConfig, GluonFwdConfig, table_config
 from flashtile import dispatch
 from flashtile.dispatch import gluon_config, gluon_decision
 from flashtile.options import ScoreParams
@@ -172,6 +172,20 @@ def test_explain_paged_kv(page_size, path):
     if path == "portable":
         assert f"pages of {page_size} keys" in explanation.forward.reason, explanation.forward.reason
     assert explanation.backward.path == "none"
+
+
+def test_explain_decode_over_pages_takes_the_paged_config():
+    """One query per sequence over a paged cache runs on the decode kernels with the sm90 table's paged row:
+    each K/V load waits on a page-number load, which takes pipeline stages of its own."""
+    q = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(6, 256, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    layout = dict(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1,
+                  cu_seqlens_k=torch.tensor([0, 700, 1300], dtype=torch.int32), max_seqlen_k=700,
+                  block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32))
+    explanation = flashtile.explain(q, k_cache, v_cache, **layout, device_capability=SM90)
+    assert explanation.forward.path == "portable", explanation.forward.reason
+    paged = table_config(FWD_DECODE, "sm90", 128, False, 700, torch.bfloat16, paged=True)
+    assert explanation.forward.config == paged != table_config(FWD_DECODE, "sm90", 128, False, 700, torch.bfloat16)
 
 
 def test_explain_seqused_k():

@@ -249,7 +249,7 @@ def kvcache_entries(dtype_name: str, head_dim: int, features: Sequence[str], pag
         params = score_params(options, causal)
         for page_size in page_sizes:
             for decode, kernel, rows in ((1, FWD_DECODE, 1), (0, FWD, 40)):
-                cfg = table_config(kernel, ARCH, head_dim, causal, 4096, dtype)
+                cfg = table_config(kernel, ARCH, head_dim, causal, 4096, dtype, paged=True)
                 call = sample_kvcache_call(head_dim, dtype, rows, page_size)
                 for split in (False, True):
                     launches = capture_kvcache(cfg, params, call, split)

@@ -482,8 +482,11 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     cu = _ints([0, 400, 1000])
     pages = _empty(20, 32, h, d, dtype=dtype)
     table = torch.zeros(2, 10, dtype=torch.int32, device=DEVICE)
+    # Pages of 256 keys hold whole key tiles: one table entry per tile (tile_io.load_kv_rows), not one per row.
+    pages_256, table_256 = _empty(6, 256, h, d, dtype=dtype), torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
     cfg = table_config(FWD, ARCH, d, causal, 4096, dtype)
     dec = table_config(FWD_DECODE, ARCH, d, causal, 4096, dtype)
+    dec_paged = table_config(FWD_DECODE, ARCH, d, causal, 4096, dtype, paged=True)
     dec_packed = table_config(FWD_DECODE_PACKED, ARCH, d, causal, 4096, dtype)
     q1 = _empty(1, 2, h, d, dtype=dtype)
     out1, lse1 = _empty(1, 2, h, d, dtype=torch.float32), _empty(1, h, 2, dtype=torch.float32)
@@ -502,7 +505,8 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
                                                      PackedSeqs(cu, cu, 600, 600))),
         ("fwd/paged", "fwd", lambda: launch_forward(qv, pages, pages, outv, lsev, params, cfg, paged)),
         ("fwd/decode-split", "fwd", lambda: launch_forward(
-            q1, pages, pages, out1, lse1, params, dec, PackedSeqs(cu1, cu, 1, 600, block_table=table),
+            q1, pages_256, pages_256, out1, lse1, params, dec_paged, PackedSeqs(cu1, cu, 1, 600,
+                                                                                block_table=table_256),
             splits=(3, 256, out1.numel(), lse1.numel()), launch_dependents=dependents)),
         ("fwd/kvcache", "fwd", lambda: launch_forward(
             qv, pages, pages, outv, lsev, params, cfg, PackedSeqs(cu, cu, 600, 600, block_table=table,

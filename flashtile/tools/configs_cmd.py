@@ -49,6 +49,8 @@ def rule_keys(rule) -> str:
         parts.append("dtype " + "/".join(str(d).replace("torch.", "") for d in rule.dtypes))
     if rule.varlen is not None:
         parts.append("packed" if rule.varlen else "dense")
+    if rule.paged is not None:
+        parts.append("paged" if rule.paged else "not paged")
     return ", ".join(parts)
 
 

@@ -191,7 +191,7 @@ class SplitForward:
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
         if cfg is None:  # the dispatcher's choice (an explicit one: the C export's captures)
             cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
-                             max_seqlen_k, q.dtype)
+                             max_seqlen_k, q.dtype, paged=seqs.paged)
         self.cfg = cfg
         split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
         keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n

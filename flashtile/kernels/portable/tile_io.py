@@ -70,15 +70,24 @@ def load_kv_rows(src, b, h, start, rows, offs_d, stride_row, n_rows, BlockTable,
     left padding), which lives in page BlockTable[b, p // PAGE_SIZE], at row p % PAGE_SIZE;
     ``src`` points at (page 0, row 0) of this head and ``page_stride`` is the distance between
     pages. Page numbers are clamped into [0, num_pages): a bad block table gives wrong numbers,
-    never an access outside the pool. PAGE_SIZE == 0: load_rows.
+    never an access outside the pool. When PAGE_SIZE is a multiple of len(rows), the rows (which
+    start at a multiple of len(rows)) lie in one page: one table entry per tile, not one per row.
+    That needs row_shift 0 or one page per sequence, the only tables with a shift (its positions
+    then all lie in page 0). PAGE_SIZE == 0: load_rows.
     """
     if PAGE_SIZE > 0:
         positions = rows + row_shift
-        page = tl.load(BlockTable + b.to(tl.int64) * stride_bt + positions // PAGE_SIZE, mask=rows < n_rows,
-                       other=0)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        offsets = page.to(tl.int64) * page_stride + (positions % PAGE_SIZE) * stride_row
-        ptrs = src + offsets[:, None] + offs_d[None, :]
+        if tl.constexpr(PAGE_SIZE) % rows.shape[0] == 0:
+            page = tl.load(BlockTable + b.to(tl.int64) * stride_bt + (start + row_shift) // PAGE_SIZE)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+            ptrs = (src + page.to(tl.int64) * page_stride + ((positions % PAGE_SIZE) * stride_row)[:, None]
+                    + offs_d[None, :])
+        else:
+            page = tl.load(BlockTable + b.to(tl.int64) * stride_bt + positions // PAGE_SIZE, mask=rows < n_rows,
+                           other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+            offsets = page.to(tl.int64) * page_stride + (positions % PAGE_SIZE) * stride_row
+            ptrs = src + offsets[:, None] + offs_d[None, :]
         if CHECK_ROWS:
             mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
         else:
