@@ -311,6 +311,9 @@ _TUNED: dict = {
             # tiles waste less on the diagonal.
             Rule(64, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, use_tma=True), causal=True),
             Rule(64, KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=True)),
+            # Keys through a block table (pages too small for the Hopper forward): no TMA, and a page-number
+            # load ahead of each K/V load, which five stages keep double-buffered (FWD_DECODE's note below).
+            Rule(128, KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=5), paged=True),
             Rule(128, KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True,
                                    warp_specialize=True)),
             Rule(256, KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)),
@@ -320,11 +323,16 @@ _TUNED: dict = {
         # _auto_splits picks (the H200 sweeps: docs/experiments.md, 2026-12-02).
         # Through a block table, each K/V load waits on a page-number load, and Triton's pipeliner
         # shares the stages among such a chain: five stages keep K and V double-buffered, as three do
-        # on a contiguous cache (fewer: one buffer, 0.7-0.85x the contiguous cache's bandwidth).
+        # on a contiguous cache (three or four leave one buffer, and paged reads lag contiguous ones).
+        # The packed decode tile and the prefill tile take five stages through a table too (the H200
+        # sweeps: docs/experiments.md, 2026-12-03).
         FWD_DECODE: [
             Rule(64, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=5), paged=True),
             Rule(128, KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=5), paged=True),
             Rule(64, KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)),
+        ],
+        FWD_DECODE_PACKED: [
+            Rule(128, KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=5), paged=True),
         ],
         FWD_GLUON: [
             # Dense batches with short keys: persistent CTAs (the next tile loads under a tile's last

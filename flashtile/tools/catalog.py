@@ -486,7 +486,9 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     pages_256, table_256 = _empty(6, 256, h, d, dtype=dtype), torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
     cfg = table_config(FWD, ARCH, d, causal, 4096, dtype)
     dec = table_config(FWD_DECODE, ARCH, d, causal, 4096, dtype)
-    dec_paged = table_config(FWD_DECODE, ARCH, d, causal, 4096, dtype, paged=True)
+    # Keys read through a table take the tables' paged rows.
+    cfg_paged, dec_paged = (table_config(kernel, ARCH, d, causal, 4096, dtype, paged=True)
+                            for kernel in (FWD, FWD_DECODE))
     dec_packed = table_config(FWD_DECODE_PACKED, ARCH, d, causal, 4096, dtype)
     q1 = _empty(1, 2, h, d, dtype=dtype)
     out1, lse1 = _empty(1, 2, h, d, dtype=torch.float32), _empty(1, h, 2, dtype=torch.float32)
@@ -503,16 +505,16 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
         ("fwd/dense", "fwd", lambda: launch_forward(q, q, q, out, lse, params, cfg)),
         ("fwd/varlen", "fwd", lambda: launch_forward(qv, qv, qv, outv, lsev, _with_sink(params, h), cfg,
                                                      PackedSeqs(cu, cu, 600, 600))),
-        ("fwd/paged", "fwd", lambda: launch_forward(qv, pages, pages, outv, lsev, params, cfg, paged)),
+        ("fwd/paged", "fwd", lambda: launch_forward(qv, pages, pages, outv, lsev, params, cfg_paged, paged)),
         ("fwd/decode-split", "fwd", lambda: launch_forward(
             q1, pages_256, pages_256, out1, lse1, params, dec_paged, PackedSeqs(cu1, cu, 1, 600,
                                                                                 block_table=table_256),
             splits=(3, 256, out1.numel(), lse1.numel()), launch_dependents=dependents)),
         ("fwd/kvcache", "fwd", lambda: launch_forward(
-            qv, pages, pages, outv, lsev, params, cfg, PackedSeqs(cu, cu, 600, 600, block_table=table,
+            qv, pages, pages, outv, lsev, params, cfg_paged, PackedSeqs(cu, cu, 600, 600, block_table=table,
                                                                   key_shift=_ints([0, 400])))),
         ("fwd/combine", "combine", lambda: SplitForward(qv, pages, pages, outv, lsev, _with_sink(params, h), paged, 3,
-                                                        dec, overlap=True)(qv, pages, pages, outv, lsev,
+                                                        dec_paged, overlap=True)(qv, pages, pages, outv, lsev,
                                                                            _with_sink(params, h), paged)),
         ("fwd/decode-pack-gqa", "fwd", lambda: launch_forward(
             q4, k4, k4, out4, lse4, params, dec, PackedSeqs(None, None, 4, 600, dense_batch=2),
