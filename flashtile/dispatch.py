@@ -180,7 +180,7 @@ def gluon_decision(kernel: str, q, k, v, params: ScoreParams, seqs: Optional[Pac
         layout = "packed" if seqs is not None else "dense"
         return None, (f"the {arch} config table has no Hopper {direction} for head dim {q.shape[-1]}, {mask}, "
                       f"{max_seqlen_k} keys, {layout} batches: the portable kernels serve these")
-    if seqs is not None and seqs.paged and not pages_fit(seqs, k, cfg.block_n):  # (paged calls have no backward)
+    if kernel == FWD_GLUON and not pages_fit(seqs, k, cfg.block_n):  # (paged calls have no backward)
         return None, (f"paged KV (block_table) with pages of {k.shape[1]} keys: the Hopper forward reads whole "
                       f"{cfg.block_n}-key blocks, so it takes pages of a multiple of {cfg.block_n} keys (or one page "
                       "per sequence)")
