@@ -26,7 +26,7 @@ from .kernels.hopper import status as hopper_status
 from .kernels.hopper.tma import qkv_unsupported, tma_aligned, values_supported
 from .kernels.plans import PlanCache, tensor_signature
 from .kernels.plans import enabled as plans_enabled
-from .kernels.portable.launch import (PortableBackward, PortableForward, SplitForward, forward_kernel,
+from .kernels.portable.launch import (PortableBackward, PortableForward, SplitForward, forward_config, forward_kernel,
                                       kvcache_update_plan, launch_forward, launch_preprocess, portable_bwd_call,
                                       portable_bwd_tensors, row_stats_buffers)
 from .kernels.portable import mods as builtin
@@ -236,8 +236,7 @@ def attention_forward(q, k, v, out, lse, params: ScoreParams, seqs: Optional[Pac
             _gluon_forward_plan(q, k, v, out, lse, params, seqs, gluon_cfg)(q, k, v, out, lse, params, seqs)
             return None
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
-        cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
-                         max_seqlen_k, q.dtype, paged=seqs is not None and seqs.paged)
+        cfg = forward_config(forward_kernel(q, k, seqs), q, v, params, max_seqlen_k, seqs)
         _within_resources(lambda c: launch_forward(q, k, v, out, lse, params, c, seqs), cfg)
         return None
     plan = _FORWARD_PLANS.get_or_make(_plan_key(params, seqs, q, k, v, out, lse),
@@ -444,8 +443,7 @@ class DecodeForward:
         splits = num_splits or _auto_splits(batch, heads, tile_rows, max_seqlen_k, tile_head_dim(q, v), q.device,
                                             kernel)
         if cfg is None:
-            cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype,
-                             paged=self.seqs.paged)
+            cfg = forward_config(kernel, q, v, params, max_seqlen_k, self.seqs)
         self.params, self.cfg = params, cfg
         if splits > 1:
             self.plan = SplitForward(q, k, v, out, lse, params, self.seqs, splits, cfg, pack_gqa=pack)
@@ -483,8 +481,7 @@ def _forward_plan(q, k, v, out, lse, params: ScoreParams, seqs: Optional[PackedS
                      lambda c: _gluon_forward_plan(q, k, v, out, lse, params, seqs, c)(q, k, v, out, lse, params, seqs))
         return _gluon_forward_plan(q, k, v, out, lse, params, seqs, cfg)
     kernel = forward_kernel(q, k, seqs)
-    cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype,
-                     paged=seqs is not None and seqs.paged)
+    cfg = forward_config(kernel, q, v, params, max_seqlen_k, seqs)
     cfg = _tuned(kernel, q, v, params, max_seqlen_k, cfg, PORTABLE_CANDIDATES[kernel],
                  lambda c: launch_forward(q, k, v, out, lse, params, c, seqs))
     return _FittedPlan(lambda c: PortableForward(q, k, v, out, lse, params, c, seqs), cfg)
@@ -587,8 +584,7 @@ def attention_forward_split(q, k, v, out, lse, params: ScoreParams, seqs: Packed
 
     def make():
         kernel = family or _decode_family(decode_tile(seqs.max_seqlen_q, q.shape[2], k.shape[2], pack_gqa)[1])
-        cfg = get_config(kernel, arch_of(q.device), tile_head_dim(q, v), params.causal, seqs.max_seqlen_k, q.dtype,
-                         paged=seqs.paged)
+        cfg = forward_config(kernel, q, v, params, seqs.max_seqlen_k, seqs)
         table_plan = SplitForward(q, k, v, out, lse, params, seqs, num_splits, cfg, pack_gqa=pack_gqa)
         return _FittedPlan(lambda c: table_plan if c is table_plan.cfg else
                            SplitForward(q, k, v, out, lse, params, seqs, num_splits, c, pack_gqa=pack_gqa),

@@ -14,6 +14,7 @@ import torch
 from . import autotune, checks, runtime, sinks
 from .configs import BWD_DKDV, BWD_DQ, BWD_GLUON, FWD_GLUON, get_config, tile_head_dim
 from .dispatch import decode_kernel, decode_route, forward_kernel, gluon_decision, packed_gqa_on_hopper
+from .kernels.portable.launch import forward_config
 from .mods import call_mods
 from .mods import given as mods_given
 from .mods import native_documents
@@ -210,15 +211,13 @@ def _forward_choice(q, k, v, params, seqs, arch: str, hypothetical_capability) -
                               f"{rows} query rows per sequence with GQA groups of {q.shape[2] // k.shape[2]}: "
                               "the Hopper forward, each group's query heads packed as rows (its tiles fill the GPU "
                               "without split-KV)")
-        cfg = get_config(decode_kernel(q, k, params, seqs)[0], arch, tile_head_dim(q, v), params.causal,
-                         max_seqlen_k, q.dtype, paged=seqs is not None and seqs.paged)
+        cfg = forward_config(decode_kernel(q, k, params, seqs)[0], q, v, params, max_seqlen_k, seqs, arch)
         return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, decode)
     gluon_cfg, reason = gluon_decision(FWD_GLUON, q, k, v, params, seqs, device_capability=hypothetical_capability,
                                        warn=False)
     if gluon_cfg is not None:
         return PathChoice(HOPPER, _FORWARD_KERNELS[HOPPER], gluon_cfg, reason)
-    cfg = get_config(forward_kernel(q, k, seqs), arch, tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype,
-                     paged=seqs is not None and seqs.paged)
+    cfg = forward_config(forward_kernel(q, k, seqs), q, v, params, max_seqlen_k, seqs, arch)
     if hypothetical_capability is None and q.device.type != "cuda":
         reason = _not_cuda_reason(reason)
     return PathChoice(PORTABLE, _FORWARD_KERNELS[PORTABLE], cfg, reason)

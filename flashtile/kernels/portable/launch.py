@@ -181,6 +181,14 @@ def dependents_launch_point(head_dim: int) -> int:
     return 1 if padded_head_dim(head_dim) <= 64 else 2
 
 
+def forward_config(kernel: str, q, v, params: ScoreParams, max_seqlen_k: int, seqs: Optional[PackedSeqs],
+                   arch: Optional[str] = None):
+    """The config of a portable forward ``kernel`` for this call: the override, else the table row of
+    its arch, tile head dim, mask, longest key length, dtype and whether keys are read through pages."""
+    return get_config(kernel, arch or arch_of(q.device), tile_head_dim(q, v), params.causal, max_seqlen_k, q.dtype,
+                      paged=seqs is not None and seqs.paged)
+
+
 class SplitForward:
     """attention_forward_split for one call signature (kernels/plans.py): the split forward writes
     float32 partial outputs and logsumexps (allocated per call), the combine kernel merges them.
@@ -190,8 +198,7 @@ class SplitForward:
                  pack_gqa: bool = False, overlap: Optional[bool] = None):
         _, _, max_seqlen_k = grid_lengths(q, k, seqs)
         if cfg is None:  # the dispatcher's choice (an explicit one: the C export's captures)
-            cfg = get_config(forward_kernel(q, k, seqs), arch_of(q.device), tile_head_dim(q, v), params.causal,
-                             max_seqlen_k, q.dtype, paged=seqs.paged)
+            cfg = forward_config(forward_kernel(q, k, seqs), q, v, params, max_seqlen_k, seqs)
         self.cfg = cfg
         split_keys = triton.cdiv(max(max_seqlen_k, 1), max(num_splits, 1))
         keys_per_split = triton.cdiv(split_keys, cfg.block_n) * cfg.block_n
