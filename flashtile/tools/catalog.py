@@ -489,7 +489,8 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     # Keys read through a table take the tables' paged rows.
     cfg_paged, dec_paged = (table_config(kernel, ARCH, d, causal, 4096, dtype, paged=True)
                             for kernel in (FWD, FWD_DECODE))
-    dec_packed = table_config(FWD_DECODE_PACKED, ARCH, d, causal, 4096, dtype)
+    dec_packed, dec_packed_paged = (table_config(FWD_DECODE_PACKED, ARCH, d, causal, 4096, dtype, paged=paged)
+                                    for paged in (False, True))
     q1 = _empty(1, 2, h, d, dtype=dtype)
     out1, lse1 = _empty(1, 2, h, d, dtype=torch.float32), _empty(1, h, 2, dtype=torch.float32)
     cu1 = _ints([0, 1, 2])
@@ -500,6 +501,10 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
     # 16 query rows: 64 packed rows, the packed decode tile.
     q16, out16, lse16 = _empty(2, 16, h, d, dtype=dtype), _empty(2, 16, h, d, dtype=torch.float32), _empty(
         2, h, 16, dtype=torch.float32)
+    # The same packed over pages smaller than its key tile (a page number per row), one page per sequence.
+    q16p, pages_g = _empty(1, 32, h, d, dtype=dtype), _empty(40, 16, max(h // 4, 1), d, dtype=dtype)
+    table_1 = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    out16p, lse16p = torch.empty_like(q16p), _empty(1, h, 32, dtype=torch.float32)
     dependents = dependents_launch_point(d)  # the split forwards' combine launch (sm90's)
     rows = [
         ("fwd/dense", "fwd", lambda: launch_forward(q, q, q, out, lse, params, cfg)),
@@ -522,6 +527,9 @@ def portable_fwd_builds(d: int, causal: bool, dtype) -> list:
         ("fwd/decode-pack-gqa-64", "fwd", lambda: launch_forward(
             q16, k4, k4, out16, lse16, params, dec_packed, PackedSeqs(None, None, 16, 600, dense_batch=2),
             splits=(3, 256, out16.numel(), lse16.numel()), pack_gqa=True, launch_dependents=dependents)),
+        ("fwd/decode-pack-gqa-paged", "fwd", lambda: launch_forward(
+            q16p, pages_g, pages_g, out16p, lse16p, params, dec_packed_paged, PackedSeqs(
+                _ints([0, 16, 32]), cu, 16, 600, block_table=table_1), pack_gqa=True)),
         ("fwd/mods", "fwd", lambda: launch_forward(q, q, q, out, lse, _mod_params(causal, h, 512), cfg)),
         ("fwd/attn-bias", "fwd", lambda: launch_forward(q, q, q, out, lse, _attn_bias_params(causal, h, 512), cfg)),
         ("fwd/head-dim-v", "fwd", lambda: launch_forward(q, q, q[..., :d // 2].contiguous(), out[..., :d // 2],

@@ -92,7 +92,9 @@ def _fwd_key_blocks(acc, m_i, l_i, q, k_src, v_src, b, h, h_kv, stride_ks, strid
     return acc, m_i, l_i
 
 
-@triton.jit
+# seq_pages is not specialized: at 1 (a block table of one column) Triton 3.6.0's ptxas crashed on the
+# packed decode tile at head dim 32 (docs/experiments.md, 2026-12-03).
+@triton.jit(do_not_specialize=["seq_pages"])
 def attn_fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qs, stride_qh,
